@@ -1,0 +1,44 @@
+# Two commands on a fresh machine with Python 3.11 and pip:  make demo   and   make test.
+# Each creates .venv once (torch first, the pinned CPU-friendly version), then reuses it.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+TORCH  ?= torch==2.13.0
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
+PARAMS ?= params/smoke.yaml
+WORK   ?= work
+
+.PHONY: setup demo test test-all lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: setup  ## the smoke pipeline end to end (Prefect's temporary API, MLflow on SQLite)
+	$(BIN)/python -m flows.wmt14_ende $(PARAMS) --work-dir $(WORK)
+
+test: setup  ## the default test suite (CPU, minutes)
+	$(BIN)/python -m pytest -q
+
+test-all: setup  ## also the slow tests
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: setup
+	$(BIN)/python benchmarks/model_step.py
+	$(BIN)/python benchmarks/data_pipeline.py
+	$(BIN)/python benchmarks/train_throughput.py
+	$(BIN)/python benchmarks/decode.py
+
+clean:
+	rm -rf $(WORK)

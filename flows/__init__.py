@@ -1,0 +1,1 @@
+"""Prefect flows that chain the tasks, and their deployments."""

@@ -1,0 +1,371 @@
+"""One typed, validated params tree for the whole pipeline.
+
+`load_params("params/base.yaml", ["model.dropout=0.2"])` reads a YAML file (which may
+`extends:` another and state only what differs), applies `dotted.key=value` overrides and
+validates the result. Every error names the file and the dotted key, and
+`python -m transformer.config` turns it into one line on stderr and exit code 2.
+Key names follow the paper (`n_layers` = N, `d_model`, `d_ff`, `n_heads` = h, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ParamsError(ValueError):
+    """A params file or override is wrong; the message names the file and the key."""
+
+
+class Section(BaseModel):
+    # Unknown keys are errors (a typo must never silently fall back to a default),
+    # and a loaded tree is immutable: the params hash must describe what actually ran.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- data
+
+
+class SourceConfig(Section):
+    """Either a Hugging Face hub dataset at a pinned revision or a local path."""
+
+    hub: str | None = None  # e.g. "wmt/wmt14"
+    config: str | None = None  # e.g. "de-en"
+    revision: str | None = None  # a commit of the hub repo, so the data cannot drift
+    path: str | None = None  # local folder of text files, or parquet/jsonl files
+    format: Literal["text", "parquet", "jsonl"] = "text"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SourceConfig:
+        if (self.hub is None) == (self.path is None):
+            raise ValueError("give exactly one of 'hub' (with 'config', 'revision') or 'path'")
+        if self.hub is not None and (self.config is None or self.revision is None):
+            raise ValueError("a hub source needs 'config' and a pinned 'revision'")
+        return self
+
+
+class SplitsConfig(Section):
+    """Split names as the source spells them (hub: train/validation/test)."""
+
+    train: str = "train"
+    valid: str = "validation"
+    test: str = "test"
+
+
+class CleanConfig(Section):
+    """Filters for the training split (valid/test are never filtered, only checked)."""
+
+    min_len: int = Field(1, ge=1)  # whitespace tokens per side
+    max_len: int = Field(250, ge=1)  # the usual WMT14 recipe (clean-corpus-n.perl)
+    max_ratio: float = Field(1.5, gt=1.0)  # longer/shorter side, in tokens
+    dedup: bool = False
+    # Mismatched line counts are always an error; a bad line (invalid UTF-8) either stops
+    # the run, naming the file and the line, or is dropped and counted.
+    on_invalid: Literal["error", "drop"] = "error"
+
+    @model_validator(mode="after")
+    def _range(self) -> CleanConfig:
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len ({self.min_len}) > max_len ({self.max_len})")
+        return self
+
+
+class DataConfig(Section):
+    source: SourceConfig
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    splits: SplitsConfig = SplitsConfig()
+    clean: CleanConfig = CleanConfig()
+
+    @model_validator(mode="after")
+    def _langs(self) -> DataConfig:
+        if self.src_lang == self.tgt_lang:
+            raise ValueError(f"src_lang and tgt_lang are both '{self.src_lang}'")
+        return self
+
+
+# --------------------------------------------------------------------------- vocab, shards
+
+
+class VocabConfig(Section):
+    size: int = Field(37000, ge=16)  # joint source-target vocabulary (paper: ~37k EN-DE)
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    sample_size: int = Field(2_000_000, ge=1)  # sentences sampled to learn the BPE merges
+    character_coverage: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 1
+
+
+class ShardConfig(Section):
+    """Length-bucketed Arrow shards: a bucket holds pairs whose longer side (in subwords)
+    falls in [k * bucket_width, (k + 1) * bucket_width)."""
+
+    bucket_width: int = Field(8, ge=1)
+    rows_per_shard: int = Field(200_000, ge=1)
+    workers: int = Field(0, ge=0)  # encoding processes; 0 = all cores
+
+
+# --------------------------------------------------------------------------- model
+
+
+class ModelConfig(Section):
+    n_layers: int = Field(6, ge=1)  # N, encoder and decoder alike
+    d_model: int = Field(512, ge=1)
+    d_ff: int = Field(2048, ge=1)
+    n_heads: int = Field(8, ge=1)  # h; d_k = d_v = d_model / h
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)  # P_drop: residual and embedding dropout
+    attn_dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on attention weights (not in paper)
+    relu_dropout: float = Field(0.0, ge=0.0, lt=1.0)  # inside the FFN (not in paper)
+    norm_first: bool = False  # False = the paper's post-norm LayerNorm(x + Sublayer(x))
+    positional: Literal["sinusoidal", "learned"] = "sinusoidal"
+    max_positions: int = Field(1024, ge=1)  # table size for learned positions
+    share_embeddings: bool = True  # src emb = tgt emb = pre-softmax weights (paper 3.4)
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads})"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- training
+
+
+class TrainConfig(Section):
+    max_tokens: int = Field(4096, ge=1)  # per GPU per micro-batch, padding counted
+    update_freq: int = Field(1, ge=1)  # micro-batches accumulated per update
+    max_steps: int = Field(100_000, ge=1)  # optimizer updates
+    warmup_steps: int = Field(4000, gt=0)
+    lr_scale: float = Field(1.0, gt=0.0)  # multiplies d_model^-0.5 * min(...) (paper: 1)
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = Field(1e-9, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    clip_norm: float = Field(0.0, ge=0.0)  # 0 = no clipping (the paper clips nothing)
+    precision: Literal["fp32", "bf16"] = "bf16"  # bf16 autocast on GPU, fp32 masters
+    compile: bool = False  # torch.compile the model
+    seed: int = 1
+    save_every: int = Field(1000, ge=1)  # steps between checkpoints
+    keep_last: int = Field(5, ge=1)  # checkpoints kept (plus the best by valid loss)
+    valid_every: int = Field(1000, ge=1)  # steps between validation loss/ppl
+    valid_bleu: bool = False  # also greedy-decode the valid split for a BLEU curve
+    log_every: int = Field(100, ge=1)  # steps between training metrics
+    max_bad_steps: int = Field(10, ge=1)  # non-finite updates in a row before stopping
+    nproc_per_node: int | None = Field(None, ge=1)  # None = visible GPUs, or 1 on CPU
+    timeout_minutes: float = Field(0.0, ge=0.0)  # train task wall-clock limit; 0 = none
+
+    @model_validator(mode="after")
+    def _betas(self) -> TrainConfig:
+        if not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"adam_betas must lie in [0, 1), got {list(self.adam_betas)}")
+        return self
+
+
+class AverageConfig(Section):
+    last_n: int = Field(5, ge=1)  # paper: last 5 checkpoints (base), last 20 (big)
+
+
+class DecodeConfig(Section):
+    beam_size: int = Field(4, ge=1)
+    len_penalty: float = Field(0.6, ge=0.0)  # GNMT alpha: lp(Y) = ((5 + |Y|) / 6)^alpha
+    max_len_a: float = Field(1.0, ge=0.0)  # max output length = a * src_len + b
+    max_len_b: int = Field(50, ge=0)
+    max_tokens: int = Field(8000, ge=1)  # source tokens per decoding batch
+
+
+class TrackingConfig(Section):
+    """MLflow; MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME override these."""
+
+    uri: str | None = None  # None = sqlite:///<work dir>/mlflow.db
+    experiment: str = "wmt14-ende"
+
+
+class Params(Section):
+    data: DataConfig
+    vocab: VocabConfig = VocabConfig()
+    shard: ShardConfig = ShardConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    average: AverageConfig = AverageConfig()
+    decode: DecodeConfig = DecodeConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Params:
+        if self.average.last_n > self.train.keep_last:
+            raise ValueError(
+                f"average.last_n ({self.average.last_n}) > train.keep_last "
+                f"({self.train.keep_last}): the checkpoints to average would be deleted"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_params(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Params:
+    """Read `path` (following `extends:`), apply `key=value` overrides, validate."""
+    path = Path(path)
+    tree = _read_tree(path, seen=())
+    for item in overrides:
+        _apply_override(tree, item, path)
+    try:
+        params = Params.model_validate(tree)
+    except ValidationError as err:
+        raise ParamsError(_describe(err, path, overrides)) from None
+    return _with_env(params)
+
+
+def params_from_dict(tree: dict[str, Any]) -> Params:
+    """Rebuild a Params tree from a resolved dump (a checkpoint's params)."""
+    return Params.model_validate(tree)
+
+
+def _read_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if path.resolve() in seen:
+        raise ParamsError(f"{path}: extends: cycle through {', '.join(map(str, seen))}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: no such params file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ParamsError(f"{path}: cannot read: {err}") from None
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ParamsError(f"{path}:{where}: malformed YAML: {problem}") from None
+    tree = {} if tree is None else tree
+    if not isinstance(tree, dict):
+        raise ParamsError(f"{path}: the top level must be a mapping of sections")
+    parent = tree.pop("extends", None)
+    if parent is None:
+        return tree
+    if not isinstance(parent, str):
+        raise ParamsError(f"{path}: extends: must be a path to another params file")
+    base = _read_tree(path.parent / parent, seen + (path.resolve(),))
+    return _merge(base, tree)
+
+
+def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge: mappings merge key by key, anything else in `child` replaces."""
+    out = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _apply_override(tree: dict[str, Any], item: str, path: Path) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ParamsError(f"{path}: override '{item}' is not of the form dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: take the text as a string and let validation judge it
+    node = tree
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            dotted = ".".join(parts[: i + 1])
+            raise ParamsError(f"{path}: override '{item}': {dotted} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(err: ValidationError, path: Path, overrides) -> str:
+    lines = []
+    for e in err.errors():
+        dotted = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+        from_override = any(o.partition("=")[0] == dotted for o in overrides)
+        origin = f"{path} (override)" if from_override else str(path)
+        lines.append(f"{origin}: {dotted or '<top>'}: {msg}")
+    return "\n".join(lines)
+
+
+def _with_env(params: Params) -> Params:
+    """MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME beat the params file, as in MLflow."""
+    tracking = params.tracking.model_copy(
+        update={
+            "uri": os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri,
+            "experiment": os.environ.get("MLFLOW_EXPERIMENT_NAME") or params.tracking.experiment,
+        }
+    )
+    return params.model_copy(update={"tracking": tracking})
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def to_dict(params: BaseModel) -> dict[str, Any]:
+    """Plain JSON-able dict (tuples become lists) of a params tree or one section."""
+    return params.model_dump(mode="json")
+
+
+def to_yaml(params: BaseModel) -> str:
+    return yaml.safe_dump(to_dict(params), sort_keys=False)
+
+
+def fingerprint(*parts: Any) -> str:
+    """A short stable hash of JSON-able parts (params sections, input fingerprints)."""
+    blob = json.dumps(
+        [to_dict(p) if isinstance(p, BaseModel) else p for p in parts],
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def params_hash(params: Params) -> str:
+    """Identity of a run: everything but where it is tracked."""
+    return fingerprint(params.model_dump(mode="json", exclude={"tracking"}))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'model': {'d_model': 512}} -> {'model.d_model': 512} (for MLflow params)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m transformer.config PARAMS [dotted.key=value ...]")
+        return 0 if argv else 2
+    try:
+        params = load_params(argv[0], argv[1:])
+    except ParamsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(to_yaml(params))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
