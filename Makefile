@@ -9,6 +9,7 @@ TORCH  ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PARAMS ?= params/smoke.yaml
 WORK   ?= work
+DEMO_ARGS ?=
 
 .PHONY: setup demo test test-all lint bench clean
 
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: setup  ## the smoke pipeline end to end (Prefect's temporary API, MLflow on SQLite)
-	$(BIN)/python -m flows.wmt14_ende $(PARAMS) --work-dir $(WORK)
+	$(BIN)/python -m flows.wmt14_ende $(PARAMS) --work-dir $(WORK) $(DEMO_ARGS)
 
 test: setup  ## the default test suite (CPU, minutes)
 	$(BIN)/python -m pytest -q

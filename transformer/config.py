@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -45,9 +46,9 @@ class SourceConfig(Section):
     @model_validator(mode="after")
     def _one_source(self) -> SourceConfig:
         if (self.hub is None) == (self.path is None):
-            raise ValueError("give exactly one of 'hub' (with 'config', 'revision') or 'path'")
+            raise ValueError("give exactly one of 'hub' (with config, revision) or 'path'")
         if self.hub is not None and (self.config is None or self.revision is None):
-            raise ValueError("a hub source needs 'config' and a pinned 'revision'")
+            raise ValueError("revision: a hub source needs 'config' and a pinned 'revision'")
         return self
 
 
@@ -73,7 +74,7 @@ class CleanConfig(Section):
     @model_validator(mode="after")
     def _range(self) -> CleanConfig:
         if self.min_len > self.max_len:
-            raise ValueError(f"min_len ({self.min_len}) > max_len ({self.max_len})")
+            raise ValueError(f"min_len: {self.min_len} > max_len ({self.max_len})")
         return self
 
 
@@ -87,7 +88,7 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _langs(self) -> DataConfig:
         if self.src_lang == self.tgt_lang:
-            raise ValueError(f"src_lang and tgt_lang are both '{self.src_lang}'")
+            raise ValueError(f"tgt_lang: src_lang and tgt_lang are both '{self.src_lang}'")
         return self
 
 
@@ -131,7 +132,7 @@ class ModelConfig(Section):
     def _heads(self) -> ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(
-                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads})"
+                f"d_model: {self.d_model} is not divisible by n_heads ({self.n_heads})"
             )
         return self
 
@@ -165,7 +166,7 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _betas(self) -> TrainConfig:
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
-            raise ValueError(f"adam_betas must lie in [0, 1), got {list(self.adam_betas)}")
+            raise ValueError(f"adam_betas: must lie in [0, 1), got {list(self.adam_betas)}")
         return self
 
 
@@ -202,7 +203,7 @@ class Params(Section):
     def _consistent(self) -> Params:
         if self.average.last_n > self.train.keep_last:
             raise ValueError(
-                f"average.last_n ({self.average.last_n}) > train.keep_last "
+                f"average.last_n: {self.average.last_n} > train.keep_last "
                 f"({self.train.keep_last}): the checkpoints to average would be deleted"
             )
         return self
@@ -253,7 +254,7 @@ def _read_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         return tree
     if not isinstance(parent, str):
         raise ParamsError(f"{path}: extends: must be a path to another params file")
-    base = _read_tree(path.parent / parent, seen + (path.resolve(),))
+    base = _read_tree(path.parent / parent, (*seen, path.resolve()))
     return _merge(base, tree)
 
 
@@ -297,6 +298,11 @@ def _describe(err: ValidationError, path: Path, overrides) -> str:
             msg = "required key is missing"
         else:
             msg = e["msg"].removeprefix("Value error, ")
+            # Cross-field checks name their key first ("d_model: ..."): point at that key.
+            named = re.match(r"([a-z_][a-z_.]*): (.*)", msg, flags=re.S)
+            if named:
+                dotted = ".".join(filter(None, [dotted, named[1]]))
+                msg = named[2]
         from_override = any(o.partition("=")[0] == dotted for o in overrides)
         origin = f"{path} (override)" if from_override else str(path)
         lines.append(f"{origin}: {dotted or '<top>'}: {msg}")

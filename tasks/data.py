@@ -1,0 +1,91 @@
+"""Data stages: download/prepare -> clean -> learn BPE -> encode + shard.
+
+Each task: load the resolved params, skip if its output folder is there, else call one
+library function inside a nested MLflow run, and return the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+from transformer.data.clean import clean_corpus
+from transformer.data.shard import encode_and_shard
+from transformer.data.sources import prepare_source
+
+from tasks.stages import fresh, output_key
+from tasks.tracking import client_for, log_metrics, stage_run
+from transformer.config import load_params
+from transformer.vocab import learn_vocab
+
+STAGE = dict(cache_key_fn=output_key, persist_result=True)
+
+
+# Retries only here: the one stage that touches the network (the hub).
+@task(name="download", retries=2, retry_delay_seconds=30, **STAGE)
+def download(params_file: str, out_dir: str, tracking: dict, refresh: bool = False) -> str:
+    if fresh(out_dir, refresh):
+        params = load_params(params_file)
+        client = client_for(tracking["uri"])
+        with stage_run(client, tracking["run_id"], "download") as run_id:
+            report = prepare_source(params.data, Path(out_dir))
+            log_metrics(client, run_id, _counts("rows", report.get("counts", {})))
+    return out_dir
+
+
+@task(name="clean", **STAGE)
+def clean(
+    params_file: str, prepared: str, out_dir: str, tracking: dict, refresh: bool = False
+) -> str:
+    if fresh(out_dir, refresh):
+        params = load_params(params_file)
+        client = client_for(tracking["uri"])
+        with stage_run(client, tracking["run_id"], "clean") as run_id:
+            report = clean_corpus(Path(prepared), params.data.clean, Path(out_dir))
+            log_metrics(client, run_id, _counts("clean", report))
+            client.log_artifact(run_id, str(Path(out_dir) / "clean.json"))
+    return out_dir
+
+
+@task(name="learn-bpe", **STAGE)
+def learn_bpe(
+    params_file: str, cleaned: str, out_dir: str, tracking: dict, refresh: bool = False
+) -> str:
+    if fresh(out_dir, refresh):
+        params = load_params(params_file)
+        client = client_for(tracking["uri"])
+        with stage_run(client, tracking["run_id"], "learn-bpe") as run_id:
+            model = learn_vocab(Path(cleaned) / "train.parquet", params.vocab, Path(out_dir))
+            client.log_artifact(run_id, str(model))
+    return out_dir
+
+
+@task(name="encode-shard", **STAGE)
+def encode_shard(
+    params_file: str, cleaned: str, vocab: str, out_dir: str, tracking: dict, refresh: bool = False
+) -> str:
+    if fresh(out_dir, refresh):
+        params = load_params(params_file)
+        client = client_for(tracking["uri"])
+        with stage_run(client, tracking["run_id"], "encode-shard") as run_id:
+            spm_model = Path(vocab) / "spm.model"
+            manifest = encode_and_shard(Path(cleaned), spm_model, params.shard, Path(out_dir))
+            client.set_tag(run_id, "data_fingerprint", manifest["fingerprint"])
+            client.log_artifact(run_id, str(Path(out_dir) / "manifest.json"))
+    return out_dir
+
+
+def data_fingerprint(shards: str) -> str:
+    return json.loads((Path(shards) / "manifest.json").read_text())["fingerprint"]
+
+
+def _counts(prefix: str, report: dict) -> dict[str, float]:
+    """{'train': {'kept': 9}} -> {'clean/train/kept': 9}: numbers only, for MLflow."""
+    flat = {}
+    for role, counts in report.items():
+        if isinstance(counts, dict):
+            flat.update(
+                {f"{prefix}/{role}/{k}": v for k, v in counts.items() if isinstance(v, int | float)}
+            )
+    return flat

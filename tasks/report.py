@@ -1,0 +1,50 @@
+"""Pictures of a run, drawn from what MLflow recorded (so any finished run can be redrawn)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on servers and CI
+import matplotlib.pyplot as plt
+from mlflow.tracking import MlflowClient
+
+PANELS = (
+    ("loss", ("train/loss", "valid/loss")),
+    ("learning rate", ("train/lr",)),
+    ("valid BLEU", ("valid/bleu",)),
+)
+
+
+def history(client: MlflowClient, run_id: str, key: str) -> tuple[list[int], list[float]]:
+    """Steps and values of a metric; a resumed run may log a step twice: keep the last."""
+    by_step = {
+        m.step: m.value
+        for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
+    }
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def plot_training_curve(client: MlflowClient, run_id: str, out: Path) -> Path:
+    """Loss (train and valid), lr and, when recorded, valid BLEU against the step."""
+    curves = {k: history(client, run_id, k) for _, keys in PANELS for k in keys}
+    panels = [(title, keys) for title, keys in PANELS if any(curves[k][0] for k in keys)]
+    fig, _axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 3.6))
+    for ax, (title, keys) in zip(list(fig.axes), panels, strict=False):
+        for key in keys:
+            steps, values = curves[key]
+            if steps:
+                ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=key)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    run_name = client.get_run(run_id).info.run_name
+    fig.suptitle(f"{run_name} ({run_id[:8]})")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

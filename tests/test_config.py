@@ -1,0 +1,149 @@
+"""Params: the shipped files validate, and every kind of bad input is one clear error."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from transformer.config import (
+    ParamsError,
+    flatten,
+    load_params,
+    params_hash,
+    to_dict,
+    to_yaml,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = ROOT / "params"
+
+
+def test_base_holds_the_papers_values():
+    p = load_params(PARAMS / "base.yaml")
+    m = p.model
+    assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.dropout) == (6, 512, 2048, 8, 0.1)
+    assert not m.norm_first and m.positional == "sinusoidal" and m.share_embeddings
+    assert p.vocab.size == 37000 and p.vocab.model_type == "bpe"
+    assert p.train.adam_betas == (0.9, 0.98) and p.train.adam_eps == 1e-9
+    assert p.train.warmup_steps == 4000 and p.train.max_steps == 100_000
+    assert p.train.label_smoothing == 0.1
+    assert p.average.last_n == 5
+    d = p.decode
+    assert (d.beam_size, d.len_penalty, d.max_len_a, d.max_len_b) == (4, 0.6, 1.0, 50)
+    assert p.data.source.hub == "wmt/wmt14" and len(p.data.source.revision) == 40
+
+
+def test_big_extends_base_and_states_only_the_difference():
+    big = load_params(PARAMS / "big.yaml")
+    m = big.model
+    assert (m.d_model, m.d_ff, m.n_heads, m.dropout) == (1024, 4096, 16, 0.3)
+    assert big.train.max_steps == 300_000 and big.average.last_n == 20
+    assert big.train.warmup_steps == 4000  # inherited
+    assert "d_model" not in (PARAMS / "big.yaml").read_text().split("model:")[0]
+
+
+def test_smoke_is_tiny_and_local():
+    p = load_params(PARAMS / "smoke.yaml")
+    assert p.data.source.path == "data/smoke" and p.data.source.hub is None
+    assert p.model.d_model <= 128 and p.train.max_steps <= 1000
+
+
+def test_overrides_are_typed_and_change_the_hash():
+    a = load_params(PARAMS / "base.yaml")
+    b = load_params(PARAMS / "base.yaml", ["model.dropout=0.2", "train.adam_betas=[0.9,0.99]"])
+    assert b.model.dropout == 0.2 and b.train.adam_betas == (0.9, 0.99)
+    assert params_hash(a) != params_hash(b)
+    assert params_hash(a) == params_hash(load_params(PARAMS / "base.yaml"))
+
+
+def test_tracking_env_overrides_and_is_not_part_of_the_hash(monkeypatch):
+    a = load_params(PARAMS / "smoke.yaml")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/x.db")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "mine")
+    b = load_params(PARAMS / "smoke.yaml")
+    assert b.tracking.uri == "sqlite:////tmp/x.db" and b.tracking.experiment == "mine"
+    assert params_hash(a) == params_hash(b)
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    p = load_params(PARAMS / "big.yaml", ["train.seed=7"])
+    out = tmp_path / "resolved.yaml"
+    out.write_text(to_yaml(p))
+    assert to_dict(load_params(out)) == to_dict(p)
+    assert flatten(to_dict(p))["model.d_model"] == 1024
+
+
+def _write(tmp_path, text, name="p.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        (["model.d_modl=3"], "model.d_modl", "unknown key"),
+        (["model.d_model=500"], "model.d_model", "not divisible by n_heads"),
+        (["train.warmup_steps=0"], "train.warmup_steps", "greater than 0"),
+        (["train.max_steps=many"], "train.max_steps", "integer"),
+        (["model.positional=rotary"], "model.positional", "sinusoidal"),
+        (["average.last_n=9"], "average.last_n", "keep_last"),
+        (["data.source.revision=null"], "data.source", "revision"),
+        (["data.clean.min_len=300"], "data.clean.min_len", "max_len"),
+        (["train.adam_betas=[0.9,1.5]"], "train.adam_betas", "[0, 1)"),
+    ],
+)
+def test_bad_values_name_the_file_and_key(overrides, key, fragment):
+    with pytest.raises(ParamsError) as err:
+        load_params(PARAMS / "base.yaml", overrides)
+    msg = str(err.value)
+    assert "base.yaml" in msg and key in msg and fragment in msg, msg
+
+
+def test_missing_data_source(tmp_path):
+    path = _write(tmp_path, "model: {d_model: 64, n_heads: 4}\n")
+    with pytest.raises(ParamsError, match=r"p\.yaml: data: required key is missing"):
+        load_params(path)
+    both = _write(tmp_path, "data: {source: {path: x, hub: y}}\n", "both.yaml")
+    with pytest.raises(ParamsError, match=r"data\.source: give exactly one"):
+        load_params(both)
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = _write(tmp_path, "data:\n  source: {path: x}\nmodel:\n  d_model: [1\n")
+    with pytest.raises(ParamsError, match=r"p\.yaml: line \d+, column \d+: malformed YAML"):
+        load_params(path)
+
+
+def test_extends_cycle_and_missing_parent(tmp_path):
+    _write(tmp_path, "extends: b.yaml\n", "a.yaml")
+    _write(tmp_path, "extends: a.yaml\n", "b.yaml")
+    with pytest.raises(ParamsError, match="cycle"):
+        load_params(tmp_path / "a.yaml")
+    _write(tmp_path, "extends: nowhere.yaml\n", "c.yaml")
+    with pytest.raises(ParamsError, match=r"nowhere\.yaml: no such params file"):
+        load_params(tmp_path / "c.yaml")
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ParamsError, match="not of the form"):
+        load_params(PARAMS / "smoke.yaml", ["model.d_model"])
+    with pytest.raises(ParamsError, match=r"model\.d_model is not a section"):
+        load_params(PARAMS / "smoke.yaml", ["model.d_model.x=1"])
+
+
+def test_cli_prints_yaml_or_fails_with_exit_2():
+    ok = subprocess.run(
+        [sys.executable, "-m", "transformer.config", str(PARAMS / "big.yaml"), "train.seed=3"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0 and "d_model: 1024" in ok.stdout and "seed: 3" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "transformer.config", str(PARAMS / "base.yaml"), "model.x=1"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert "model.x: unknown key" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,262 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), section by section.
+
+Read top to bottom: positions, attention, feed-forward, the residual wrapper, encoder and
+decoder layers, the model with `encode()` / `decode()`, and the cache for step-by-step
+decoding. Shapes: B batch, S source length, T target length, D d_model, h heads,
+d_k = D / h, V vocabulary. Padding masks are boolean with True = pad (as in PyTorch);
+F.scaled_dot_product_attention takes the opposite convention (True = may attend).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from transformer.config import ModelConfig
+
+
+def sinusoidal(pos: Tensor, d_model: int) -> Tensor:
+    """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(same)."""
+    two_i = torch.arange(0, d_model, 2, device=pos.device, dtype=torch.float32)  # (D/2,)
+    angle = pos.float()[:, None] / 10000.0 ** (two_i / d_model)  # (T, D/2)
+    return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1)[:, :d_model]  # (T, D)
+
+
+def causal_mask(t: int, s: int, device: torch.device) -> tuple[Tensor | None, bool]:
+    """Section 3.2.3: the t newest of s positions see keys up to their own position only.
+    Returns (attn_mask, is_causal) for SDPA, building a mask only when it cannot be avoided."""
+    if t == 1:  # one new query after the cached ones: every key is in its past
+        return None, False
+    if t == s:  # no cache: SDPA's own triangle (lets the flash kernel run on GPU)
+        return None, True
+    return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t), False  # (t, s)
+
+
+class MultiHeadAttention(nn.Module):
+    """Sections 3.2.1-3.2.2: h heads of softmax(Q K^T / sqrt(d_k)) V on learned projections
+    of the queries, keys and values, concatenated and projected by W^O. Self-attention when
+    called without `memory`; `causal` makes it the decoder's masked self-attention."""
+
+    def __init__(self, d_model: int, n_heads: int, attn_dropout: float, causal: bool = False):
+        super().__init__()
+        self.n_heads, self.d_k = n_heads, d_model // n_heads
+        self.attn_dropout, self.causal = attn_dropout, causal
+        # W^Q, W^K, W^V of all heads stacked in one (3D, D) matrix, nn.MultiheadAttention's
+        # layout: self-attention projects in one matmul, cross-attention splits Q from K, V.
+        self.in_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)  # W^O
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        key_padding: Tensor | None = None,
+        cache: dict[str, Tensor] | None = None,
+    ) -> Tensor:
+        # x (B, T, D) queries; memory (B, S, D) encoder output; key_padding (B, S), True = pad
+        q, k, v = self._project(x, memory, cache)  # (B, h, T, d_k), (B, h, S, d_k) x 2
+        mask, is_causal = None, False
+        if self.causal:
+            mask, is_causal = causal_mask(q.size(2), k.size(2), x.device)
+        elif key_padding is not None:
+            mask = ~key_padding[:, None, None, :]  # (B, 1, 1, S), broadcast over heads, queries
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.attn_dropout if self.training else 0.0,
+        )  # (B, h, T, d_k)
+        return self.out_proj(y.transpose(1, 2).flatten(2))  # heads concatenated: (B, T, D)
+
+    def _project(self, x: Tensor, memory: Tensor | None, cache: dict[str, Tensor] | None):
+        if memory is None:
+            q, k, v = self._heads(self.in_proj(x))  # 3 x (B, h, T, d_k)
+            if cache is not None:  # append the new positions to the cached ones
+                if cache:
+                    k = torch.cat([cache["k"], k], dim=2)  # (B, h, past + T, d_k)
+                    v = torch.cat([cache["v"], v], dim=2)
+                cache.update(k=k, v=v)
+            return q, k, v
+        d = x.size(-1)
+        w, b = self.in_proj.weight, self.in_proj.bias
+        (q,) = self._heads(F.linear(x, w[:d], b[:d]))  # (B, h, T, d_k)
+        if cache:  # encoder-decoder keys and values: computed once per sentence
+            return q, cache["k"], cache["v"]
+        k, v = self._heads(F.linear(memory, w[d:], b[d:]))  # 2 x (B, h, S, d_k)
+        if cache is not None:
+            cache.update(k=k, v=v)
+        return q, k, v
+
+    def _heads(self, y: Tensor) -> tuple[Tensor, ...]:
+        b, t, _ = y.shape  # (B, T, n * D) -> n x (B, h, T, d_k)
+        return y.view(b, t, -1, self.n_heads, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class FeedForward(nn.Module):
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2, the same at every position."""
+
+    def __init__(self, d_model: int, d_ff: int, relu_dropout: float):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(relu_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.dropout(F.relu(self.w1(x))))  # (B, T, d_ff) -> (B, T, D)
+
+
+class Residual(nn.Module):
+    """Sections 3.1 and 5.4: LayerNorm(x + Dropout(Sublayer(x))) (post-norm, the paper's),
+    or with norm_first x + Dropout(Sublayer(LayerNorm(x))) (pre-norm, easier to train deep)."""
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.norm, self.dropout, self.norm_first = nn.LayerNorm(d_model), nn.Dropout(dropout), norm_first
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Section 3.1: self-attention, then the feed-forward network."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
+        self.sub = nn.ModuleList(Residual(cfg.d_model, cfg.dropout, cfg.norm_first) for _ in range(2))
+
+    def forward(self, x: Tensor, src_padding: Tensor) -> Tensor:
+        x = self.sub[0](x, lambda h: self.self_attn(h, key_padding=src_padding))
+        return self.sub[1](x, self.ffn)  # (B, S, D)
+
+
+class DecoderLayer(nn.Module):
+    """Section 3.1: masked self-attention, encoder-decoder attention (queries from the
+    decoder, keys and values from the encoder output), then the feed-forward network."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout, causal=True)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
+        self.sub = nn.ModuleList(Residual(cfg.d_model, cfg.dropout, cfg.norm_first) for _ in range(3))
+
+    def forward(self, x, memory, src_padding, self_cache=None, cross_cache=None) -> Tensor:
+        x = self.sub[0](x, lambda h: self.self_attn(h, cache=self_cache))
+        x = self.sub[1](x, lambda h: self.cross_attn(h, memory, src_padding, cross_cache))
+        return self.sub[2](x, self.ffn)  # (B, T, D)
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder of Figure 1. `forward(src, tgt_in)` gives logits (B, T, V) for
+    teacher forcing; `encode()` then `decode()` with a `new_cache()` decodes step by step."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int = 0):
+        super().__init__()
+        self.cfg, self.pad_id = cfg, pad_id
+        d = cfg.d_model
+        # Section 3.4: one matrix for source embedding, target embedding and pre-softmax layer.
+        self.src_embed = nn.Embedding(vocab_size, d, padding_idx=pad_id)
+        shared = cfg.share_embeddings
+        self.tgt_embed = self.src_embed if shared else nn.Embedding(vocab_size, d, padding_idx=pad_id)
+        self.out_proj = nn.Linear(d, vocab_size, bias=False)
+        if shared:
+            self.out_proj.weight = self.src_embed.weight
+        # Table 3 row (E): learned positions instead of sinusoids, one table per side.
+        learned = cfg.positional == "learned"
+        self.src_pos = nn.Embedding(cfg.max_positions, d) if learned else None
+        self.tgt_pos = nn.Embedding(cfg.max_positions, d) if learned else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        # Pre-norm leaves the residual stream unnormalised: normalise each stack's output.
+        self.enc_norm = nn.LayerNorm(d) if cfg.norm_first else nn.Identity()
+        self.dec_norm = nn.LayerNorm(d) if cfg.norm_first else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                # On the fused (3D, D) in_proj this bound equals fairseq's per-matrix Xavier
+                # with gain 1/sqrt(2) for W^Q, W^K, W^V.
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        # N(0, D^-0.5): times sqrt(D) the embedding input has unit scale, and a logit (a
+        # dot product of a LayerNorm-ed D-vector with a row) has unit scale too; the tied
+        # matrix serves both roles, so this suits both. Learned positions as in fairseq.
+        tables = [self.src_embed, self.tgt_embed, self.out_proj, self.src_pos, self.tgt_pos]
+        for w in {t.weight for t in tables if t is not None}:
+            nn.init.normal_(w, std=self.cfg.d_model**-0.5)
+        with torch.no_grad():
+            self.src_embed.weight[self.pad_id].zero_()
+            self.tgt_embed.weight[self.pad_id].zero_()
+
+    def _embed(self, tokens: Tensor, table: nn.Embedding, pos_table, offset: int) -> Tensor:
+        # Section 3.4: embeddings times sqrt(D); 3.5: plus positions; 5.4: dropout on the sum.
+        t = tokens.size(1)
+        pos = torch.arange(offset, offset + t, device=tokens.device)  # (T,)
+        if pos_table is None:
+            pe = sinusoidal(pos, self.cfg.d_model)  # (T, D)
+        elif offset + t > self.cfg.max_positions:
+            raise ValueError(
+                f"sequence of {offset + t} positions exceeds model.max_positions "
+                f"({self.cfg.max_positions}) of the learned position table"
+            )
+        else:
+            pe = pos_table(pos)  # (T, D)
+        return self.dropout(table(tokens) * self.cfg.d_model**0.5 + pe)  # (B, T, D)
+
+    def encode(self, src: Tensor) -> Tensor:
+        src_padding = src == self.pad_id  # (B, S)
+        x = self._embed(src, self.src_embed, self.src_pos, 0)
+        for layer in self.encoder:
+            x = layer(x, src_padding)
+        return self.enc_norm(x)  # memory (B, S, D)
+
+    def decode(
+        self, tgt_in: Tensor, memory: Tensor, src_padding: Tensor, cache: KVCache | None = None
+    ) -> Tensor:
+        # Targets are right-padded, so the causal mask alone keeps real positions off the
+        # padding; the loss ignores the outputs at padded positions.
+        offset = 0 if cache is None else cache.length
+        x = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, offset)  # (B, T, D)
+        caches = itertools.repeat((None, None)) if cache is None else cache.layers()
+        for layer, (self_cache, cross_cache) in zip(self.decoder, caches):
+            x = layer(x, memory, src_padding, self_cache, cross_cache)
+        return self.out_proj(self.dec_norm(x))  # logits (B, T, V)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        return self.decode(tgt_in, self.encode(src), src == self.pad_id)  # (B, T, V)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.n_layers)
+
+
+class KVCache:
+    """Keys and values of every decoder layer, so each step computes only its new position:
+    self-attention (B, h, length, d_k), growing by a step's positions per `decode()`; and
+    encoder-decoder attention (B, h, S, d_k), stored on the first `decode()`."""
+
+    def __init__(self, n_layers: int):
+        self.self_attn: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
+        self.cross_attn: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        """Target positions decoded so far."""
+        first = self.self_attn[0]
+        return first["k"].size(2) if first else 0
+
+    def layers(self):
+        return zip(self.self_attn, self.cross_attn)
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (B',) of every stored tensor, in that order: beam search
+        expands, reorders and drops hypotheses with it."""
+        for entry in self.self_attn + self.cross_attn:
+            for name, t in entry.items():
+                entry[name] = t.index_select(0, index)

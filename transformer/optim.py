@@ -1,0 +1,44 @@
+"""Adam with the paper's warmup then inverse-square-root learning rate (section 5.3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from transformer.config import TrainConfig
+
+
+def inverse_sqrt_schedule(
+    step: int, d_model: int, warmup_steps: int, lr_scale: float = 1.0
+) -> float:
+    """lrate = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5), step >= 1:
+    linear warmup for `warmup_steps` updates, then decay with 1 / sqrt(step)."""
+    step = max(step, 1)
+    return lr_scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, d_model: int
+) -> tuple[torch.optim.Adam, LambdaLR]:
+    """Adam (beta1 0.9, beta2 0.98, eps 1e-9 in the paper) and a LambdaLR for the schedule.
+
+    The base lr is 1.0, so the multiplier is the absolute lr. LambdaLR applies lambda(0)
+    at construction and lambda(k) after the k-th `scheduler.step()`; the lambda shifts by
+    one so that update k (counted from 1, as the paper does) runs at schedule(k).
+    Call `scheduler.step()` after each `optimizer.step()`.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(
+        params,
+        lr=1.0,
+        betas=tuple(cfg.adam_betas),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        fused=all(p.is_cuda for p in params),  # one kernel for all parameters on GPU
+    )
+    scheduler = LambdaLR(
+        optimizer,
+        lambda k: inverse_sqrt_schedule(k + 1, d_model, cfg.warmup_steps, cfg.lr_scale),
+    )
+    return optimizer, scheduler
