@@ -48,3 +48,19 @@ def plot_training_curve(client: MlflowClient, run_id: str, out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m tasks.report RUN_ID --tracking-uri URI --out curve.png"""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Draw a run's learning curves from MLflow.")
+    parser.add_argument("run_id")
+    parser.add_argument("--tracking-uri", default="sqlite:///work/mlflow.db")
+    parser.add_argument("--out", type=Path, default=Path("curve.png"))
+    args = parser.parse_args(argv)
+    print(plot_training_curve(MlflowClient(args.tracking_uri), args.run_id, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,6 @@ F.scaled_dot_product_attention takes the opposite convention (True = may attend)
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -63,9 +61,9 @@ class MultiHeadAttention(nn.Module):
             mask, is_causal = causal_mask(q.size(2), k.size(2), x.device)
         elif key_padding is not None:
             mask = ~key_padding[:, None, None, :]  # (B, 1, 1, S), broadcast over heads, queries
+        drop = self.attn_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal,
-            dropout_p=self.attn_dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, dropout_p=drop, is_causal=is_causal
         )  # (B, h, T, d_k)
         return self.out_proj(y.transpose(1, 2).flatten(2))  # heads concatenated: (B, T, D)
 
@@ -109,9 +107,11 @@ class Residual(nn.Module):
     """Sections 3.1 and 5.4: LayerNorm(x + Dropout(Sublayer(x))) (post-norm, the paper's),
     or with norm_first x + Dropout(Sublayer(LayerNorm(x))) (pre-norm, easier to train deep)."""
 
-    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm, self.dropout, self.norm_first = nn.LayerNorm(d_model), nn.Dropout(dropout), norm_first
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.norm_first = cfg.norm_first
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
         if self.norm_first:
@@ -126,7 +126,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
-        self.sub = nn.ModuleList(Residual(cfg.d_model, cfg.dropout, cfg.norm_first) for _ in range(2))
+        self.sub = nn.ModuleList(Residual(cfg) for _ in range(2))
 
     def forward(self, x: Tensor, src_padding: Tensor) -> Tensor:
         x = self.sub[0](x, lambda h: self.self_attn(h, key_padding=src_padding))
@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout, causal=True)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
-        self.sub = nn.ModuleList(Residual(cfg.d_model, cfg.dropout, cfg.norm_first) for _ in range(3))
+        self.sub = nn.ModuleList(Residual(cfg) for _ in range(3))
 
     def forward(self, x, memory, src_padding, self_cache=None, cross_cache=None) -> Tensor:
         x = self.sub[0](x, lambda h: self.self_attn(h, cache=self_cache))
@@ -159,11 +159,11 @@ class Transformer(nn.Module):
         self.cfg, self.pad_id = cfg, pad_id
         d = cfg.d_model
         # Section 3.4: one matrix for source embedding, target embedding and pre-softmax layer.
-        self.src_embed = nn.Embedding(vocab_size, d, padding_idx=pad_id)
-        shared = cfg.share_embeddings
-        self.tgt_embed = self.src_embed if shared else nn.Embedding(vocab_size, d, padding_idx=pad_id)
+        embedding = lambda: nn.Embedding(vocab_size, d, padding_idx=pad_id)
+        self.src_embed = embedding()
+        self.tgt_embed = self.src_embed if cfg.share_embeddings else embedding()
         self.out_proj = nn.Linear(d, vocab_size, bias=False)
-        if shared:
+        if cfg.share_embeddings:
             self.out_proj.weight = self.src_embed.weight
         # Table 3 row (E): learned positions instead of sinusoids, one table per side.
         learned = cfg.positional == "learned"
@@ -185,9 +185,9 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(m.weight)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        # N(0, D^-0.5): times sqrt(D) the embedding input has unit scale, and a logit (a
-        # dot product of a LayerNorm-ed D-vector with a row) has unit scale too; the tied
-        # matrix serves both roles, so this suits both. Learned positions as in fairseq.
+        # Embeddings N(0, D^-0.5): scaled by sqrt(D) (3.4) the input has unit scale, and a
+        # logit, the dot product of a unit-scale (LayerNorm-ed) D-vector with a row, has
+        # unit scale too; the tied matrix plays both roles. Learned positions: as fairseq.
         tables = [self.src_embed, self.tgt_embed, self.out_proj, self.src_pos, self.tgt_pos]
         for w in {t.weight for t in tables if t is not None}:
             nn.init.normal_(w, std=self.cfg.d_model**-0.5)
@@ -224,8 +224,8 @@ class Transformer(nn.Module):
         # padding; the loss ignores the outputs at padded positions.
         offset = 0 if cache is None else cache.length
         x = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, offset)  # (B, T, D)
-        caches = itertools.repeat((None, None)) if cache is None else cache.layers()
-        for layer, (self_cache, cross_cache) in zip(self.decoder, caches):
+        caches = [(None, None)] * len(self.decoder) if cache is None else cache.layers()
+        for layer, (self_cache, cross_cache) in zip(self.decoder, caches, strict=True):
             x = layer(x, memory, src_padding, self_cache, cross_cache)
         return self.out_proj(self.dec_norm(x))  # logits (B, T, V)
 
@@ -251,8 +251,8 @@ class KVCache:
         first = self.self_attn[0]
         return first["k"].size(2) if first else 0
 
-    def layers(self):
-        return zip(self.self_attn, self.cross_attn)
+    def layers(self) -> list[tuple[dict[str, Tensor], dict[str, Tensor]]]:
+        return list(zip(self.self_attn, self.cross_attn, strict=True))
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows `index` (B',) of every stored tensor, in that order: beam search

@@ -1,0 +1,179 @@
+"""The model on tiny configs: masks, cached decoding, attention, sizes, embeddings, training."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from transformer.config import ModelConfig, TrainConfig, load_params
+from transformer.loss import label_smoothed_nll
+from transformer.model import MultiHeadAttention, Transformer
+from transformer.optim import build_optimizer
+from transformer.vocab import BOS, PAD
+
+PARAMS = Path(__file__).resolve().parents[1] / "params"
+V = 50
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy shared machine the
+    threads' spin-waits make these tests ten times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(**overrides) -> Transformer:
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, **overrides)
+    torch.manual_seed(0)
+    return Transformer(cfg, V, pad_id=PAD).eval()
+
+
+def tokens(*shape: int) -> torch.Tensor:
+    return torch.randint(4, V, shape)  # no special ids, so no accidental padding
+
+
+@torch.no_grad()
+def test_future_target_tokens_do_not_change_earlier_logits():
+    model, src, tgt = tiny(), tokens(2, 7), tokens(2, 6)
+    changed = tgt.clone()
+    changed[:, 3:] = tokens(2, 3)
+    a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, :3], b[:, :3])
+    assert not torch.allclose(a[:, 3:], b[:, 3:])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_padding_leaves_real_positions_unchanged(norm_first):
+    model, src, tgt = tiny(norm_first=norm_first), tokens(1, 5), tokens(1, 4)
+    alone = model(src, tgt)
+    pad = torch.full((1, 3), PAD)
+    other_src, other_tgt = tokens(1, 8), tokens(1, 7)  # a longer neighbour forces padding
+    batch = model(
+        torch.cat([torch.cat([src, pad], 1), other_src]),
+        torch.cat([torch.cat([tgt, pad], 1), other_tgt]),
+    )
+    torch.testing.assert_close(batch[:1, :4], alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batch[1:], model(other_src, other_tgt), atol=1e-5, rtol=1e-5)
+
+
+def decode_stepwise(model, src, tgt_in, chunks, reorder=None):
+    """Decode `tgt_in` with a cache, `chunks` positions per call; after the first call,
+    optionally reorder the batch rows (cache, memory and padding alike)."""
+    memory, src_padding = model.encode(src), src == PAD
+    cache, out, start = model.new_cache(), [], 0
+    for n in chunks:
+        out.append(model.decode(tgt_in[:, start : start + n], memory, src_padding, cache))
+        start += n
+        assert cache.length == start
+        if reorder is not None and len(out) == 1:
+            cache.reorder(reorder)
+            memory, src_padding, tgt_in = memory[reorder], src_padding[reorder], tgt_in[reorder]
+            out = [out[0][reorder]]
+    return torch.cat(out, dim=1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"norm_first": True}, {"positional": "learned", "max_positions": 16}],
+    ids=["post-norm", "pre-norm", "learned-positions"],
+)
+def test_cached_decoding_equals_full_decoding(overrides):
+    model = tiny(**overrides)
+    src = tokens(3, 7)
+    src[0, 5:] = PAD
+    tgt_in = torch.cat([torch.full((3, 1), BOS), tokens(3, 5)], dim=1)
+    full = model(src, tgt_in)
+    for chunks in ([1] * 6, [3, 1, 2]):  # one position per call, or several (prefix forcing)
+        torch.testing.assert_close(
+            decode_stepwise(model, src, tgt_in, chunks), full, atol=1e-5, rtol=0
+        )
+    index = torch.tensor([2, 0, 0, 1])  # beam-search-like: repeat rows, change the batch size
+    stepped = decode_stepwise(model, src, tgt_in, [2, 1, 1, 1, 1], reorder=index)
+    torch.testing.assert_close(stepped, full[index], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_attention_equals_torch_multihead_attention():
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(32, 4, attn_dropout=0.0).eval()
+    ref = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    ref.in_proj_weight.copy_(ours.in_proj.weight)
+    ref.in_proj_bias.copy_(ours.in_proj.bias)
+    ref.out_proj.weight.copy_(ours.out_proj.weight)
+    ref.out_proj.bias.copy_(ours.out_proj.bias)
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    padding = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
+    expected, _ = ref(x, memory, memory, key_padding_mask=padding)
+    torch.testing.assert_close(ours(x, memory, padding), expected, atol=1e-5, rtol=1e-5)
+    # Encoder self-attention (cross-attention's weight split must not matter) and masked.
+    x_padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    expected, _ = ref(x, x, x, key_padding_mask=x_padding)
+    torch.testing.assert_close(ours(x, key_padding=x_padding), expected, atol=1e-5, rtol=1e-5)
+    ours.causal = True
+    future = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    expected, _ = ref(x, x, x, attn_mask=future)
+    torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, low, high", [("base", 61e6, 66e6), ("big", 208e6, 215e6)])
+def test_parameter_counts_match_the_paper(name, low, high):
+    cfg = load_params(PARAMS / f"{name}.yaml").model
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = Transformer(cfg, 37000)
+    assert low <= sum(p.numel() for p in model.parameters()) <= high
+
+
+def test_shared_embeddings_are_one_parameter():
+    model = tiny()
+    assert model.src_embed.weight is model.tgt_embed.weight is model.out_proj.weight
+    assert model.src_embed.weight[PAD].abs().sum() == 0
+    untied = tiny(share_embeddings=False)
+    weights = {id(untied.src_embed.weight), id(untied.tgt_embed.weight), id(untied.out_proj.weight)}
+    assert len(weights) == 3
+    n_shared = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for p in untied.parameters()) == n_shared + 2 * V * 32
+
+
+def test_learned_positions_reject_long_sequences():
+    model = tiny(positional="learned", max_positions=8)
+    with pytest.raises(ValueError, match="max_positions"):
+        model(tokens(1, 9), tokens(1, 3))
+    memory, cache = model.encode(tokens(1, 4)), model.new_cache()
+    model.decode(tokens(1, 8), memory, torch.zeros(1, 4, dtype=torch.bool), cache)
+    with pytest.raises(ValueError, match="max_positions"):
+        model.decode(tokens(1, 1), memory, torch.zeros(1, 4, dtype=torch.bool), cache)
+
+
+def test_bf16_autocast_trains():
+    model = tiny(attn_dropout=0.1).train()
+    src, tgt = tokens(2, 6), tokens(2, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(src, tgt)
+    assert logits.dtype == torch.bfloat16
+    loss, n = label_smoothed_nll(logits, tgt, eps=0.1, ignore_index=PAD)
+    (loss / n).backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_tiny_model_overfits_a_fixed_batch():
+    model = tiny(dropout=0.0).train()
+    src, tgt = tokens(4, 8), tokens(4, 8)
+    tgt[2, 6:] = PAD
+    tgt_in = torch.cat([torch.full((4, 1), BOS), tgt[:, :-1]], dim=1)
+    cfg = TrainConfig(warmup_steps=30, lr_scale=0.5)
+    optimizer, scheduler = build_optimizer(model, cfg, d_model=32)
+    for _ in range(100):
+        loss, n = label_smoothed_nll(model(src, tgt_in), tgt, eps=0.0, ignore_index=PAD)
+        optimizer.zero_grad()
+        (loss / n).backward()
+        optimizer.step()
+        scheduler.step()
+    assert n == 30
+    assert loss.item() / n.item() < 0.01  # from ln(50) = 3.9; reaches ~1e-3
