@@ -1,0 +1,298 @@
+"""Greedy and beam search on stub models whose next-token probabilities are set by hand,
+so the right answer is known exactly; then on a tiny random Transformer."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer.config import ModelConfig
+from transformer.model import Transformer
+from transformer.search import Hypothesis, beam_search, greedy_search
+from transformer.vocab import BOS, EOS, PAD, UNK
+
+A, B = 4, 5  # two ordinary tokens
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, which only wait on each other on busy CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class StubCache:
+    """Keeps each row's prefix and memory; reorder() moves them like a real KV cache."""
+
+    def __init__(self):
+        self.prefix = self.memory = self.pad = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.prefix is None else self.prefix.size(1)
+
+    def reorder(self, index):
+        self.prefix, self.memory, self.pad = self.prefix[index], self.memory[index], self.pad[index]
+
+
+class StubModel:
+    """Next-token log-probabilities from `dist(source, prefix)`: source = the real source
+    ids (padding dropped), prefix = the tokens after BOS. `rows` records each decode's batch."""
+
+    def __init__(self, dist, vocab: int):
+        self.dist, self.vocab, self.rows = dist, vocab, []
+
+    def new_cache(self):
+        return StubCache()
+
+    def encode(self, src):
+        return src.float().unsqueeze(-1)  # (B, S, 1): the source travels in the memory
+
+    def decode(self, tgt_in, memory, src_padding, cache=None):
+        prefix = tgt_in
+        if cache is not None:
+            if cache.memory is None:  # a fresh cache takes the memory, as the real one does
+                cache.memory, cache.pad = memory, src_padding
+            cache.prefix = tgt_in if cache.prefix is None else torch.cat([cache.prefix, tgt_in], 1)
+            prefix, memory, src_padding = cache.prefix, cache.memory, cache.pad
+        assert (prefix[:, 0] == BOS).all()
+        self.rows.append(prefix.size(0))
+        last = [
+            self.dist(tuple(mem[~pad, 0].long().tolist()), tuple(pre[1:].tolist()))
+            for mem, pad, pre in zip(memory, src_padding, prefix, strict=True)
+        ]
+        logits = torch.zeros(prefix.size(0), tgt_in.size(1), self.vocab)
+        logits[:, -1] = torch.stack(last)  # only the last position is ever read
+        return logits
+
+
+def probs(vocab: int, **p: float) -> torch.Tensor:
+    """Log-probabilities from {token name: probability}; unnamed tokens get 0."""
+    ids = {"unk": UNK, "eos": EOS, "a": A, "b": B}
+    out = torch.zeros(vocab)
+    for name, value in p.items():
+        out[ids[name]] = value
+    return out.log()
+
+
+def batch(*sentences: list[int], width: int = 0) -> torch.Tensor:
+    """PAD-padded source batch; each sentence gets its EOS."""
+    rows = [[*s, EOS] for s in sentences]
+    src = torch.full((len(rows), max(width, *map(len, rows))), PAD)
+    for i, row in enumerate(rows):
+        src[i, : len(row)] = torch.tensor(row)
+    return src
+
+
+# "a" is likely but short; "b b b b b" less likely but long: the length penalty decides.
+def lp_case(source, prefix):
+    if prefix == ():
+        return probs(6, a=0.5, b=0.45, unk=0.05)
+    if set(prefix) == {B} and len(prefix) < 5:
+        return probs(6, b=1.0)
+    return probs(6, eos=1.0)
+
+
+def lp(length: int, alpha: float) -> float:
+    return ((5 + length) / 6) ** alpha
+
+
+def test_without_length_penalty_the_likeliest_wins():
+    model = StubModel(lp_case, 6)
+    (hyps,) = beam_search(model, batch([7]), 4, 0.0, 0.0, 10, n_best=2)
+    assert [h.tokens for h in hyps] == [[A], [B] * 5]
+    assert hyps[0].score == pytest.approx(math.log(0.5))
+    assert hyps[1].logprob == pytest.approx(math.log(0.45))
+
+
+def test_length_penalty_changes_the_winner():
+    model = StubModel(lp_case, 6)
+    (hyps,) = beam_search(model, batch([7]), 4, 0.6, 0.0, 10, n_best=2)
+    assert [h.tokens for h in hyps] == [[B] * 5, [A]]
+    assert hyps[0].score == pytest.approx(math.log(0.45) / lp(6, 0.6))
+    assert hyps[0].logprob == pytest.approx(math.log(0.45))
+    assert hyps[1].score == pytest.approx(math.log(0.5) / lp(2, 0.6))
+
+
+def test_early_stop_only_when_no_live_hypothesis_can_win():
+    # alpha 0: once "a" is finished, "b..." (raw score already lower) cannot beat it.
+    model = StubModel(lp_case, 6)
+    beam_search(model, batch([7]), 4, 0.0, 0.0, 10)
+    assert len(model.rows) == 2
+    # alpha 0.6: "b..." might still win, so the search must go on to find it.
+    model = StubModel(lp_case, 6)
+    (hyps,) = beam_search(model, batch([7]), 4, 0.6, 0.0, 10)
+    assert hyps[0].tokens == [B] * 5
+
+
+def always_a(source, prefix):
+    return probs(5, a=0.8, eos=0.2)
+
+
+def test_maximum_length_forces_eos():
+    # Scores of a^n EOS: (n log .8 + log .2) / lp(n + 1); with alpha 1 the longest wins.
+    model = StubModel(always_a, 5)
+    (hyps,) = beam_search(model, batch([7]), 2, 1.0, 0.0, 3, n_best=2)
+    assert [h.tokens for h in hyps] == [[A] * 3, [A] * 2]
+    logprob = 3 * math.log(0.8) + math.log(0.2)
+    assert hyps[0].logprob == pytest.approx(logprob)
+    assert hyps[0].score == pytest.approx(logprob / lp(4, 1.0))
+    # With alpha 0 the empty output wins; greedy runs to the limit.
+    (hyps,) = beam_search(StubModel(always_a, 5), batch([7]), 2, 0.0, 0.0, 3)
+    assert hyps == [
+        Hypothesis(tokens=[], score=pytest.approx(math.log(0.2)), logprob=hyps[0].logprob)
+    ]
+    assert greedy_search(StubModel(always_a, 5), batch([7]), 0.0, 3) == [[A] * 3]
+    # A hard cap (a learned position table's size) beats a * src_len + b.
+    assert greedy_search(StubModel(always_a, 5), batch([7]), 0.0, 3, max_len=2) == [[A] * 2]
+
+
+def test_limits_follow_each_source_length_and_finished_sentences_leave_the_batch():
+    model = StubModel(always_a, 5)
+    src = batch([], [7], [7, 7], [7, 7, 7])  # real lengths 1..4 (EOS counted)
+    assert greedy_search(model, src, 1.0, 0) == [[A], [A] * 2, [A] * 3, [A] * 4]
+    assert model.rows == [4, 4, 3, 2, 1]
+    model = StubModel(always_a, 5)
+    beam_search(model, src, 2, 1.0, 1.0, 0)
+    assert model.rows == [8, 8, 6, 4, 2]
+
+
+def random_tree(vocab: int):
+    """Deterministic random next-token distributions for each (source, prefix)."""
+
+    def dist(source, prefix):
+        g = torch.Generator().manual_seed(hash((source, prefix)) % 2**31)
+        logits = 2 * torch.randn(vocab, generator=g)
+        logits[EOS] += 0.3 * len(prefix)  # endings grow likelier, as in real outputs
+        return torch.log_softmax(logits, -1)
+
+    return dist
+
+
+SOURCES = [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14], [6, 6]]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_a_sentence_does_not_depend_on_its_batch_or_padding(alpha):
+    model = StubModel(random_tree(12), 12)
+    together = beam_search(model, batch(*SOURCES, width=9), 3, alpha, 1.0, 4, n_best=3)
+    for i, source in enumerate(SOURCES):
+        assert beam_search(model, batch(source), 3, alpha, 1.0, 4, n_best=3) == [together[i]]
+    reverse = beam_search(model, batch(*SOURCES[::-1]), 3, alpha, 1.0, 4, n_best=3)
+    assert reverse == together[::-1]
+
+
+def test_cached_and_uncached_search_agree_on_the_stub():
+    model = StubModel(random_tree(12), 12)
+    src = batch(*SOURCES)
+    assert beam_search(model, src, 4, 0.6, 1.0, 5, cached=False) == beam_search(
+        model, src, 4, 0.6, 1.0, 5
+    )
+    assert greedy_search(model, src, 1.0, 5, cached=False) == greedy_search(model, src, 1.0, 5)
+
+
+def test_beam_one_without_penalty_is_greedy():
+    model = StubModel(random_tree(12), 12)
+    src = batch(*SOURCES)
+    beams = beam_search(model, src, 1, 0.0, 1.0, 5)
+    assert [h[0].tokens for h in beams] == greedy_search(model, src, 1.0, 5)
+
+
+def test_outputs_respect_the_limit_and_are_sorted():
+    model = StubModel(random_tree(12), 12)
+    found = beam_search(model, batch(*SOURCES), 4, 0.6, 1.0, 2, n_best=4)
+    for source, hyps in zip(SOURCES, found, strict=True):
+        assert len(hyps) == 4
+        assert all(len(h.tokens) <= len(source) + 1 + 2 for h in hyps)
+        assert all(t not in (PAD, BOS, EOS) for h in hyps for t in h.tokens)
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+
+
+def test_settings_the_search_cannot_honour_are_errors():
+    model = StubModel(always_a, 5)
+    with pytest.raises(ValueError, match="n_best"):
+        beam_search(model, batch([7]), 2, 0.6, 1.0, 3, n_best=3)
+    with pytest.raises(ValueError, match="len_penalty"):
+        beam_search(model, batch([7]), 2, -0.5, 1.0, 3)
+
+
+# --------------------------------------------------------------------------- the real model
+
+
+class Ending:
+    """A model whose EOS logit grows by `slope` per target position: random weights alone
+    repeat one token to the length limit, and real searches end at varied lengths."""
+
+    def __init__(self, model, slope: float):
+        self.model, self.slope = model, slope
+        self.encode, self.new_cache = model.encode, model.new_cache
+
+    def decode(self, tgt_in, memory, src_padding, cache=None):
+        logits = self.model.decode(tgt_in, memory, src_padding, cache)  # (B, T, V)
+        end = tgt_in.size(1) if cache is None else cache.length
+        logits[..., EOS] += self.slope * torch.arange(end - tgt_in.size(1), end)
+        return logits
+
+
+def tiny_transformer(vocab: int = 40) -> Ending:
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
+    model = Transformer(cfg, vocab).eval()
+    with torch.no_grad():  # large weights: outputs that depend more on their context
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 1.0)
+    return Ending(model, slope=1.0)
+
+
+def real_sources(n: int = 6, vocab: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, 10, (n,), generator=g).tolist()
+    return [torch.randint(4, vocab, (m,), generator=g).tolist() for m in lengths]
+
+
+def assert_same(a: list[list[Hypothesis]], b: list[list[Hypothesis]]) -> None:
+    assert [[h.tokens for h in hyps] for hyps in a] == [[h.tokens for h in hyps] for hyps in b]
+    scores = [h.score for hyps in a for h in hyps]
+    assert scores == pytest.approx([h.score for hyps in b for h in hyps], abs=1e-4)
+
+
+def test_real_model_cached_and_uncached_search_agree():
+    model, src = tiny_transformer(), batch(*real_sources())
+    assert_same(
+        beam_search(model, src, 4, 0.6, 1.0, 5, n_best=2),
+        beam_search(model, src, 4, 0.6, 1.0, 5, n_best=2, cached=False),
+    )
+    assert greedy_search(model, src, 1.0, 5) == greedy_search(model, src, 1.0, 5, cached=False)
+
+
+def test_real_model_batch_independence_and_beam_one_is_greedy():
+    model, sources = tiny_transformer(), real_sources()
+    together = beam_search(model, batch(*sources, width=12), 4, 0.6, 1.0, 5)
+    for i, source in enumerate(sources):
+        assert_same(beam_search(model, batch(source), 4, 0.6, 1.0, 5), [together[i]])
+    beams = beam_search(model, batch(*sources), 1, 0.0, 1.0, 5)
+    assert [h[0].tokens for h in beams] == greedy_search(model, batch(*sources), 1.0, 5)
+    assert len({len(h[0].tokens) for h in together}) > 2  # real endings, not all at the limit
+
+
+def test_decode_benchmark_runs_and_outputs_end_with_their_sources():
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--sentences", "8", "--modes", "beam,greedy", "--threads", "1", "--device", "cpu"]
+    out = subprocess.run(
+        [sys.executable, root / "benchmarks/decode.py", *argv],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    source_len = float(out.stdout.split("mean source length ")[1].split()[0])
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("beam", "greedy"))]
+    assert [r[0] for r in rows] == ["beam", "greedy"]
+    assert all(float(r[-1]) == pytest.approx(source_len, abs=0.051) for r in rows)
