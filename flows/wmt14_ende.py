@@ -9,18 +9,23 @@ runs it with no server (Prefect's temporary local API) and prints where the resu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from prefect import flow, task
-from prefect.filesystems import LocalFileSystem
+# The temporary local API gets 20 s to start by default: too little on a busy 2-core box.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from tasks.data import clean, download, encode_shard, learn_bpe
-from tasks.evaluate import average, decode_score, publish
-from tasks.stages import plan, write_params
-from tasks.tracking import client_for, experiment_id, finish_run, open_parent_run, tracking_uri
-from tasks.train import train
-from transformer.config import ParamsError, load_params, params_hash
+from prefect import flow, task  # noqa: E402
+from prefect.filesystems import LocalFileSystem  # noqa: E402
+
+from tasks.data import clean, download, encode_shard, learn_bpe  # noqa: E402
+from tasks.evaluate import average, decode_score, publish  # noqa: E402
+from tasks.stages import plan, write_params  # noqa: E402
+from tasks.tracking import client_for, experiment_id, finish_run, open_parent_run, tracking_uri  # noqa: E402
+from tasks.train import train  # noqa: E402
+from transformer.config import ParamsError, fingerprint, load_params, params_hash  # noqa: E402
 
 
 @task(name="open-run")
@@ -37,6 +42,13 @@ def open_run(params_path: str, overrides: list[str], work_dir: str) -> dict:
     return {"uri": uri, "run_id": run_id, "experiment_id": exp}
 
 
+def results_store(work_dir: Path) -> LocalFileSystem:
+    """Prefect needs result storage as a saved block; one per work dir, named after it."""
+    store = LocalFileSystem(basepath=str(work_dir / "prefect-results"))
+    store.save(f"wmt14-results-{fingerprint(str(work_dir))}", overwrite=True)
+    return store
+
+
 @flow(name="wmt14-ende", log_prints=True)
 def wmt14_ende(
     params: str = "params/smoke.yaml",
@@ -49,7 +61,7 @@ def wmt14_ende(
     overrides = list(overrides or [])
     layout = plan(load_params(params, overrides), work_dir)
     # Prefect's results and cache records live with the outputs they point at.
-    store = LocalFileSystem(basepath=str(layout.work_dir / "prefect-results"))
+    store = results_store(layout.work_dir)
     stage = dict(result_storage=store, refresh_cache=refresh or None)
     tracking = open_run(params, overrides, str(layout.work_dir))
     try:

@@ -58,7 +58,7 @@ def decode_score(
             for role in ("valid", "test"):
                 table = pq.read_table(Path(cleaned) / f"{role}.parquet")
                 hyps = translate_lines(model, sp, table["src"].to_pylist(), params.decode, device)
-                (tmp / f"{role}.hyp").write_text("".join(h + "\n" for h in hyps))
+                (tmp / f"{role}.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
                 scores[role] = score(hyps, table["tgt"].to_pylist())
             (tmp / "scores.json").write_text(json.dumps(scores, indent=2))
             tmp.rename(out_dir)

@@ -1,0 +1,104 @@
+"""Shared fixtures: a tiny parallel corpus, its sentencepiece model, its shards, and params
+for a tiny model that trains in a fraction of a second per step on a CPU."""
+
+from __future__ import annotations
+
+import random
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from transformer.config import ShardConfig, VocabConfig
+from transformer.data.shard import encode_and_shard
+from transformer.vocab import learn_vocab
+
+# A word-for-word "translation": learnable by a tiny model within a few hundred steps.
+LEXICON = {
+    "the": "der",
+    "a": "ein",
+    "man": "mann",
+    "woman": "frau",
+    "dog": "hund",
+    "cat": "katze",
+    "runs": "rennt",
+    "walks": "geht",
+    "sleeps": "schlaeft",
+    "in": "im",
+    "park": "park",
+    "garden": "garten",
+    "red": "rot",
+    "blue": "blau",
+    "big": "gross",
+    "small": "klein",
+    "child": "kind",
+    "plays": "spielt",
+    "house": "haus",
+    "green": "gruen",
+}
+SIZES = {"train": 400, "valid": 40, "test": 30}
+
+
+def tiny_pairs(n: int, rng: random.Random) -> tuple[list[str], list[str]]:
+    words = list(LEXICON)
+    src = [" ".join(rng.choices(words, k=rng.randint(2, 10))) for _ in range(n)]
+    return src, [" ".join(LEXICON[w] for w in s.split()) for s in src]
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """A cleaned corpus folder: {train,valid,test}.parquet with string columns src, tgt."""
+    clean = tmp_path_factory.mktemp("tiny") / "clean"
+    clean.mkdir()
+    rng = random.Random(0)
+    for role, n in SIZES.items():
+        src, tgt = tiny_pairs(n, rng)
+        pq.write_table(pa.table({"src": src, "tgt": tgt}), clean / f"{role}.parquet")
+    return clean
+
+
+@pytest.fixture(scope="session")
+def tiny_spm(tiny_corpus, tmp_path_factory) -> Path:
+    """A 100-piece joint BPE model of the tiny corpus, with the project's special ids."""
+    out = tmp_path_factory.mktemp("tiny_vocab") / "vocab"
+    return learn_vocab(tiny_corpus / "train.parquet", VocabConfig(size=100, sample_size=800), out)
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tiny_corpus, tiny_spm, tmp_path_factory) -> Path:
+    """The shards folder (manifest.json, spm.model, {train,valid,test}/*.arrow)."""
+    out = tmp_path_factory.mktemp("tiny_shards") / "shards"
+    encode_and_shard(
+        tiny_corpus, tiny_spm, ShardConfig(bucket_width=4, rows_per_shard=100, workers=1), out
+    )
+    return out
+
+
+TINY_PARAMS = """\
+    data:
+      source: {path: unused-by-training}
+    vocab: {size: 100}
+    model: {n_layers: 1, d_model: 32, d_ff: 64, n_heads: 2, dropout: 0.1}
+    train:
+      max_tokens: 256
+      max_steps: 8
+      warmup_steps: 4
+      lr_scale: 2.0
+      precision: fp32
+      save_every: 2
+      keep_last: 3
+      valid_every: 4
+      log_every: 2
+    average: {last_n: 2}
+    decode: {max_len_b: 12}
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tmp_path_factory) -> Path:
+    """A params file for a one-layer, d_model 32 model: 8 steps, a checkpoint every 2."""
+    path = tmp_path_factory.mktemp("tiny_params") / "tiny.yaml"
+    path.write_text(textwrap.dedent(TINY_PARAMS))
+    return path

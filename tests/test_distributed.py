@@ -1,0 +1,86 @@
+"""Ranks come from the environment; two ranks under torchrun make the same updates as one
+process accumulating the same two micro-batches."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer.checkpoint import list_checkpoints, load_checkpoint
+from transformer.distributed import all_gather_objects, all_reduce_sum, init_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# Dropout 0: the ranks' dropout streams differ from the single process's.
+SAME_UPDATES = [
+    "model.dropout=0.0",
+    "train.max_steps=3",
+    "train.save_every=3",
+    "train.valid_every=3",
+    "train.log_every=1",
+]
+
+
+def test_one_process_without_torchrun(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    env = init_distributed()
+    assert (env.rank, env.world_size, env.is_main, env.distributed) == (0, 1, True, False)
+    assert env.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert all_reduce_sum(torch.tensor([2.0])).item() == 2.0  # collectives are no-ops
+    assert all_gather_objects({"a": 1}) == [{"a": 1}]
+
+
+def _train(out: Path, params: Path, shards: Path, launcher: list[str], *extra: str) -> str:
+    cmd = [
+        *launcher,
+        "-m",
+        "transformer.train",
+        str(params),
+        "--data",
+        str(shards),
+        "--out",
+        str(out),
+        *SAME_UPDATES,
+        *extra,
+    ]
+    done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_two_ranks_equal_one_rank_accumulating_two_batches(tiny_params, tiny_shards, tmp_path):
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
+    two = _train(tmp_path / "two", tiny_params, tiny_shards, torchrun)
+    one = _train(
+        tmp_path / "one", tiny_params, tiny_shards, [sys.executable], "train.update_freq=2"
+    )
+    a = load_checkpoint(list_checkpoints(tmp_path / "two")[-1], mmap=False)
+    b = load_checkpoint(list_checkpoints(tmp_path / "one")[-1], mmap=False)
+    assert a["world_size"] == 2 and len(a["rng"]) == 2 and b["world_size"] == 1
+    assert a["train_state"]["tokens_seen"] == b["train_state"]["tokens_seen"]
+    for key, value in a["model"].items():
+        torch.testing.assert_close(value, b["model"][key], rtol=0, atol=1e-5, msg=key)
+    # Only rank 0 logs: one line per step, not two.
+    assert two.count("step 3 | train/loss") == 1 and one.count("step 3 | train/loss") == 1
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-4)
+
+
+def _losses(out: str) -> list[float]:
+    return [
+        float(line.split("train/loss ")[1].split(" ")[0])
+        for line in out.splitlines()
+        if "train/loss" in line
+    ]

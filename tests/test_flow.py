@@ -1,0 +1,244 @@
+"""The `wmt14-ende` flow end to end on the smoke data: real Prefect, real MLflow (SQLite),
+real torchrun, with a shortened training so the whole file takes a few minutes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.wmt14_ende import wmt14_ende
+from transformer.checkpoint import load_model_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "params" / "smoke.yaml")
+# Enough training to learn something, little enough for CI.
+TINY = [
+    "train.max_steps=40",
+    "train.warmup_steps=20",
+    "train.save_every=10",
+    "train.valid_every=20",
+    "train.log_every=10",
+    "train.keep_last=3",
+    "average.last_n=2",
+    "decode.beam_size=2",
+    "decode.max_len_b=10",
+]
+STAGES = {"download", "clean", "learn-bpe", "encode-shard", "train", "average", "decode-score"}
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def harness():
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ.pop("MLFLOW_EXPERIMENT_NAME", None)
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("work")
+
+
+@pytest.fixture(scope="module")
+def first(work):
+    state = wmt14_ende(SMOKE, TINY, str(work), return_state=True)
+    assert state.is_completed(), state
+    return state.result(), state.state_details.flow_run_id
+
+
+def _client(work: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+
+
+def _children(client: MlflowClient, run_id: str) -> list:
+    run = client.get_run(run_id)
+    return client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"
+    )
+
+
+def test_the_run_records_metrics_tags_and_artifacts(first, work):
+    result, _ = first
+    client = _client(work)
+    run = client.get_run(result["run_id"])
+    metrics = run.data.metrics
+    for key in ("train/loss", "train/lr", "train/tokens_per_s", "valid/loss", "valid/ppl",
+                "valid/bleu", "test/bleu", "test/chrf", "test/bleu_tok_compound"):
+        assert key in metrics, key
+    assert 0.0 <= metrics["test/bleu"] <= 100.0
+    assert metrics["test/bleu"] == pytest.approx(result["scores"]["test"]["bleu"])
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) >= 3
+    tags = run.data.tags
+    for key in ("params_hash", "git_commit", "version.torch", "data_fingerprint"):
+        assert tags.get(key), key
+    assert tags["sacrebleu_signature"].startswith("nrefs:1")
+    assert run.data.params["model.d_model"] == "64"
+    assert run.data.params["train.max_steps"] == "40"
+
+    def listing(path=None):
+        return {a.path for a in client.list_artifacts(run.info.run_id, path)}
+
+    top = listing()
+    assert {"params.yaml", "curve.png", "data", "model", "hypotheses"} <= top
+    assert {"data/manifest.json", "data/spm.model"} <= listing("data")
+    assert "model/model.pt" in listing("model")
+    assert "hypotheses/test.hyp" in listing("hypotheses")
+
+    stages = {c.data.tags["stage"]: c for c in _children(client, run.info.run_id)}
+    assert set(stages) == STAGES
+    assert all(c.info.status == "FINISHED" for c in stages.values())
+    system = [k for k in stages["train"].data.metrics if k.startswith("system/")]
+    assert system, "system metrics were not recorded for training"
+
+
+def test_outputs_are_real(first):
+    result, _ = first
+    hyps = Path(result["hypotheses"]).read_text().splitlines()
+    assert len(hyps) == 300
+    model = load_model_file(result["model"])
+    assert len(model.meta["averaged_from"]) == 2
+
+
+def test_a_rerun_is_served_from_prefects_cache_and_resumes_the_run(first, work):
+    result, _ = first
+    client = _client(work)
+    before = len(_children(client, result["run_id"]))
+    model_mtime = Path(result["model"]).stat().st_mtime_ns
+
+    state = wmt14_ende(SMOKE, TINY, str(work), return_state=True)
+    assert state.is_completed()
+    again = state.result()
+    assert again["run_id"] == result["run_id"]
+    assert len(_children(client, result["run_id"])) == before  # no stage ran again
+    assert Path(result["model"]).stat().st_mtime_ns == model_mtime
+
+    names = {t.name.rsplit("-", 1)[0]: t.state.name for t in _task_runs(state)}
+    assert {names[s] for s in STAGES} == {"Cached"}, names
+
+
+def test_two_fresh_runs_are_bitwise_reproducible(first, tmp_path):
+    result, _ = first
+    other = wmt14_ende(SMOKE, TINY, str(tmp_path))
+    assert other["scores"]["test"]["bleu"] == result["scores"]["test"]["bleu"]
+    a, b = load_model_file(result["model"]).model, load_model_file(other["model"]).model
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_killed_in_training_resumes_and_completes(first, work):
+    overrides = [*TINY, "train.max_steps=80"]  # new train stage, same data stages
+    cmd = [sys.executable, "-m", "flows.wmt14_ende", SMOKE, *overrides, "--work-dir", str(work)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    before = set((work / "train").iterdir())
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        runs = set((work / "train").iterdir()) - before
+        if runs and list(next(iter(runs)).glob("checkpoints/step-*.pt")):
+            break
+        assert proc.poll() is None, "the flow ended before training checkpointed"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # the flow, torchrun and the trainer, all at once
+    proc.wait()
+    run_dir = next(iter(set((work / "train").iterdir()) - before))
+    assert not (run_dir / "DONE").exists()
+
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "test BLEU" in done.stdout
+    assert "resum" in (run_dir / "train.log").read_text().lower()
+
+    client = _client(work)
+    exp = client.get_experiment_by_name("wmt14-ende")
+    hashes = [r.data.tags["params_hash"] for r in client.search_runs(
+        [exp.experiment_id], filter_string="tags.stage = 'pipeline'")]
+    assert len(hashes) == len(set(hashes)) == 2  # the first run, and this one, once
+
+
+def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_API_URL=api, PREFECT_HOME=str(tmp_path / "prefect"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.pop("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", None)
+    prefect = str(Path(sys.executable).parent / "prefect")
+    procs = []
+    try:
+        procs.append(_spawn([prefect, "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env, tmp_path / "server.log"))
+        _wait(lambda: _healthy(api), 120, "prefect server")
+        procs.append(_spawn([sys.executable, "-m", "flows.deploy", "--only", "smoke",
+                             "--work-dir", str(work)], env, tmp_path / "serve.log"))
+        _wait(lambda: subprocess.run([prefect, "deployment", "inspect", "wmt14-ende/smoke"],
+                                     env=env, capture_output=True).returncode == 0,
+              120, "the smoke deployment")
+        run = subprocess.run(
+            [prefect, "deployment", "run", "wmt14-ende/smoke",
+             "--params", json.dumps({"overrides": TINY}), "--watch",
+             "--watch-timeout", "500"],
+            env=env, capture_output=True, text=True, timeout=560,
+        )
+        logs = run.stdout[-2000:] + (tmp_path / "serve.log").read_text()[-3000:]
+        assert run.returncode == 0, logs
+        assert "Completed" in run.stdout, logs
+    finally:
+        for p in reversed(procs):
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=60)
+
+
+def _task_runs(state) -> list:
+    async def read():
+        async with get_client() as client:
+            return await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[
+                    state.state_details.flow_run_id]))
+            )
+
+    import asyncio
+
+    return asyncio.run(read())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(cmd, env, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _healthy(api: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _wait(ready, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        time.sleep(1)
+    raise AssertionError(f"{what} not ready after {seconds} s")

@@ -1,0 +1,362 @@
+"""The trainer end to end on a tiny model: logs, checkpoints, exact resume after a kill,
+refusal to resume another run, corrupt checkpoints, non-finite updates, signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import transformer.train as train_module
+from transformer.checkpoint import best_path, list_checkpoints, load_checkpoint, load_file
+from transformer.config import load_params, to_dict
+from transformer.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+# One thread: on a shared 2-core machine, two spinning OpenMP threads per process make a
+# tiny model's step 10x slower, and the results do not depend on it.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class ListLogger:
+    def __init__(self):
+        self.records: list[tuple[int, dict[str, float]]] = []
+        self.closed = False
+
+    def log(self, metrics, step):
+        self.records.append((step, dict(metrics)))
+
+    def close(self):
+        self.closed = True
+
+    def keys(self) -> set[str]:
+        return {k for _, m in self.records for k in m}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train(params: Path, shards: Path, out: Path, *extra: str, logger=None) -> int:
+    return main([str(params), "--data", str(shards), "--out", str(out), *extra], logger=logger)
+
+
+def cli(params: Path, shards: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "transformer.train",
+        str(params),
+        "--data",
+        str(shards),
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def final_state(run_dir: Path) -> dict:
+    return load_checkpoint(list_checkpoints(run_dir)[-1], mmap=False)
+
+
+def assert_same_training(a: dict, b: dict) -> None:
+    """Bitwise: model, optimizer moments, schedule, data position, step."""
+    assert a["step"] == b["step"]
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for pid, moments in a["optimizer"]["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(value, b["optimizer"]["state"][pid][name]), (pid, name)
+    assert a["scheduler"] == b["scheduler"]
+    assert a["data"] == b["data"]
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_params, tiny_shards, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "run"
+    logger = ListLogger()
+    with torch.random.fork_rng():
+        torch.set_num_threads(1)
+        rc = train(tiny_params, tiny_shards, out, "train.valid_bleu=true", logger=logger)
+    return rc, out, logger
+
+
+def test_trains_logs_and_keeps_the_last_checkpoints(tiny_run, tiny_shards):
+    rc, out, logger = tiny_run
+    assert rc == 0
+    assert [p.name for p in list_checkpoints(out)] == [
+        "step-0000004.pt",
+        "step-0000006.pt",
+        "step-0000008.pt",
+    ]
+    assert best_path(out).is_file()
+    assert (out / "spm.model").read_bytes() == (tiny_shards / "spm.model").read_bytes()
+    expected = {
+        "train/loss",
+        "train/nll_loss",
+        "train/lr",
+        "train/tokens_per_s",
+        "train/grad_norm",
+        "train/step_time",
+        "train/tokens_per_update",
+        "valid/loss",
+        "valid/ppl",
+        "valid/bleu",
+    }
+    assert expected <= logger.keys()
+    assert [s for s, m in logger.records if "train/loss" in m] == [2, 4, 6, 8]
+    assert [s for s, m in logger.records if "valid/loss" in m] == [4, 8]
+    assert logger.closed
+    valid = [m for _, m in logger.records if "valid/loss" in m]
+    assert valid[-1]["valid/loss"] < valid[0]["valid/loss"]  # it learns
+
+
+def test_checkpoint_describes_itself(tiny_run, tiny_params, tiny_shards):
+    _, out, _ = tiny_run
+    state = load_file(out / "checkpoints" / "step-0000008.pt")  # weights_only=True
+    params = load_params(tiny_params, ["train.valid_bleu=true"])
+    assert state["params"] == to_dict(params)
+    assert state["step"] == state["train_state"]["step"] == 8
+    assert state["train_state"]["tokens_seen"] > 0
+    assert (
+        state["data_fingerprint"]
+        == __import__("json").loads((tiny_shards / "manifest.json").read_text())["fingerprint"]
+    )
+    assert state["world_size"] == 1 and len(state["rng"]) == 1
+    assert set(state["rng"][0]) == {"torch", "cuda", "python", "numpy"}
+    assert state["data"]["consumed"] == 8  # update_freq 1: a batch per step
+    assert set(state) >= {"model", "optimizer", "scheduler"}
+
+
+def test_rerun_of_a_finished_run_is_a_no_op(tiny_run, tiny_params, tiny_shards):
+    _, out, _ = tiny_run
+    before = {p.name: p.stat().st_mtime_ns for p in list_checkpoints(out)}
+    logger = ListLogger()
+    assert train(tiny_params, tiny_shards, out, "train.valid_bleu=true", logger=logger) == 0
+    assert logger.records == []
+    assert {p.name: p.stat().st_mtime_ns for p in list_checkpoints(out)} == before
+
+
+def test_missing_shards_exit_2(tiny_params, tmp_path, capsys):
+    assert train(tiny_params, tmp_path / "nowhere", tmp_path / "run") == 2
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_extending_max_steps_continues_the_same_trajectory(tiny_params, tiny_shards, tmp_path):
+    assert train(tiny_params, tiny_shards, tmp_path / "a", "train.max_steps=6") == 0
+    assert train(tiny_params, tiny_shards, tmp_path / "b", "train.max_steps=3") == 0
+    assert train(tiny_params, tiny_shards, tmp_path / "b", "train.max_steps=6") == 0
+    assert_same_training(final_state(tmp_path / "a"), final_state(tmp_path / "b"))
+
+
+def test_resuming_with_other_params_is_refused(tiny_params, tiny_shards, tmp_path, capsys, caplog):
+    out = tmp_path / "run"
+    assert train(tiny_params, tiny_shards, out, "train.max_steps=2") == 0
+    capsys.readouterr()
+    rc = train(tiny_params, tiny_shards, out, "model.d_model=64", "train.lr_scale=1.0")
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "model.d_model: 32 in checkpoint, 64 now" in err
+    assert "train.lr_scale: 2.0 in checkpoint, 1.0 now" in err
+    assert "--allow-param-change" in err and "--reset" in err
+    # A schedule change can be forced; a model of another shape cannot be loaded at all.
+    assert (
+        train(
+            tiny_params,
+            tiny_shards,
+            out,
+            "train.max_steps=3",
+            "train.lr_scale=1.0",
+            "--allow-param-change",
+        )
+        == 0
+    )
+    assert final_state(out)["step"] == 3
+    # Other batches (max_tokens): the data position becomes the same point of the epoch.
+    caplog.set_level("WARNING", logger="transformer")
+    assert (
+        train(
+            tiny_params,
+            tiny_shards,
+            out,
+            "train.max_steps=4",
+            "train.lr_scale=1.0",
+            "train.max_tokens=300",
+            "--allow-param-change",
+        )
+        == 0
+    )
+    assert "data position" in caplog.text and "train.max_tokens: 256" in caplog.text
+    assert (
+        train(
+            tiny_params,
+            tiny_shards,
+            out,
+            "train.max_steps=4",
+            "model.d_model=64",
+            "--allow-param-change",
+        )
+        == 2
+    )
+    assert "does not fit this model" in capsys.readouterr().err
+    assert (
+        train(tiny_params, tiny_shards, out, "train.max_steps=2", "model.d_model=64", "--reset")
+        == 0
+    )
+    assert [p.name for p in list_checkpoints(out)] == ["step-0000002.pt"]
+    assert final_state(out)["params"]["model"]["d_model"] == 64
+
+
+def test_resuming_on_other_data_is_refused(tiny_params, tiny_shards, tmp_path, capsys):
+    other = tmp_path / "shards"
+    shutil.copytree(tiny_shards, other)
+    manifest = other / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"fingerprint": "', '"fingerprint": "x'))
+    out = tmp_path / "run"
+    assert train(tiny_params, tiny_shards, out, "train.max_steps=2") == 0
+    assert train(tiny_params, other, out, "train.max_steps=4") == 2
+    assert "data fingerprint differs" in capsys.readouterr().err
+
+
+def test_a_corrupt_latest_checkpoint_is_named_and_skipped(
+    tiny_params, tiny_shards, tmp_path, caplog
+):
+    out = tmp_path / "run"
+    assert train(tiny_params, tiny_shards, out, "train.max_steps=6") == 0
+    good = final_state(out)
+    latest = list_checkpoints(out)[-1]
+    latest.write_bytes(latest.read_bytes()[:1000])  # a torn file (a disk failure)
+    assert train(tiny_params, tiny_shards, out, "train.max_steps=6") == 0
+    assert "step-0000006.pt" in caplog.text and "step 4" in caplog.text
+    assert_same_training(good, final_state(out))  # retrained from step 4, identically
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(
+    tiny_params, tiny_shards, tmp_path, monkeypatch, caplog
+):
+    out = tmp_path / "run"
+    real = train_module.label_smoothed_nll
+    calls = []
+
+    def nan_on_third_call(logits, target, eps, ignore_index):
+        calls.append(1)
+        loss, n = real(logits, target, eps, ignore_index)
+        return (loss * float("nan") if len(calls) == 3 else loss), n
+
+    monkeypatch.setattr(train_module, "label_smoothed_nll", nan_on_third_call)
+    logger = ListLogger()
+    assert train(tiny_params, tiny_shards, out, "train.max_steps=4", logger=logger) == 0
+    assert final_state(out)["train_state"]["bad_steps_total"] == 1
+    assert final_state(out)["data"]["consumed"] == 5  # the skipped update's batch is used up
+    assert [m["train/bad_steps"] for _, m in logger.records if "train/bad_steps" in m] == [1]
+
+    before = {p.name: p.read_bytes() for p in list_checkpoints(out)}
+
+    def always_nan(logits, target, eps, ignore_index):
+        loss, n = real(logits, target, eps, ignore_index)
+        return loss * float("nan"), n
+
+    monkeypatch.setattr(train_module, "label_smoothed_nll", always_nan)
+    rc = train(tiny_params, tiny_shards, out, "train.max_steps=8", "train.max_bad_steps=3")
+    assert rc == 1
+    assert "3 non-finite updates in a row" in caplog.text and "step-0000004.pt" in caplog.text
+    assert {p.name: p.read_bytes() for p in list_checkpoints(out)} == before
+
+
+def test_params_errors_are_one_line_and_exit_2(tiny_shards, tmp_path, capsys):
+    assert train(tmp_path / "missing.yaml", tiny_shards, tmp_path / "run") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "missing.yaml" in err
+
+
+def test_cpu_precision_is_stated(tiny_params, tiny_shards, tmp_path, caplog):
+    caplog.set_level("INFO", logger="transformer")
+    assert (
+        train(tiny_params, tiny_shards, tmp_path / "r", "train.max_steps=1", "train.precision=bf16")
+        == 0
+    )
+    assert "training in fp32 on CPU" in caplog.text
+
+
+# --------------------------------------------------------------------------- processes
+
+KILL_PARAMS = [
+    "train.max_steps=40",
+    "train.update_freq=2",
+    "train.save_every=5",
+    "train.valid_every=20",
+    "train.log_every=10",
+]
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_params, tiny_shards, tmp_path_factory) -> dict:
+    """The uninterrupted run that killed and stopped runs must reproduce bit for bit."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    done = subprocess.run(
+        cli(tiny_params, tiny_shards, out, *KILL_PARAMS),
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return final_state(out)
+
+
+def _start_and_wait(cmd: list[str], first_checkpoint: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not first_checkpoint.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return proc
+
+
+def test_resume_after_sigkill_is_bitwise_exact(straight, tiny_params, tiny_shards, tmp_path):
+    out = tmp_path / "run"
+    cmd = cli(tiny_params, tiny_shards, out, *KILL_PARAMS)
+    proc = _start_and_wait(cmd, out / "checkpoints" / "step-0000010.pt")
+    proc.kill()  # SIGKILL: no chance to save
+    proc.wait()
+    killed_at = final_state(out)["step"]
+    assert 10 <= killed_at < 40, "the run finished before it could be killed"
+    done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"at step {killed_at}" in done.stdout
+    assert_same_training(straight, final_state(out))
+
+
+def test_sigterm_finishes_the_update_saves_and_exits_143(
+    straight, tiny_params, tiny_shards, tmp_path
+):
+    out = tmp_path / "run"
+    cmd = cli(tiny_params, tiny_shards, out, *KILL_PARAMS)
+    proc = _start_and_wait(cmd, out / "checkpoints" / "step-0000005.pt")
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    stopped = final_state(out)["step"]
+    assert f"stopped by SIGTERM at step {stopped}, checkpoint saved" in output
+    assert stopped < 40
+    done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert_same_training(straight, final_state(out))

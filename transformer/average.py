@@ -1,0 +1,171 @@
+"""Checkpoint averaging (paper 6.1: the last 5 checkpoints for base, the last 20 for big),
+and the export of the average as one self-contained model file.
+
+    python -m transformer.average RUN_DIR [--last N] --out model.pt
+    python -m transformer.average RUN_DIR/checkpoints/step-*.pt --out model.pt [--spm SPM]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from transformer.checkpoint import (
+    CheckpointError,
+    ModelFile,
+    list_checkpoints,
+    load_checkpoint,
+    load_file,
+    save_model_file,
+)
+from transformer.metrics import setup_logging
+
+SPM_NAME = "spm.model"  # the run folder's copy of the shards' sentencepiece model
+
+log = logging.getLogger("transformer.average")  # not "__main__" under -m
+
+
+def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of the `model` state dicts of `paths` (training checkpoints
+    or exported models), accumulated in fp32 at least and cast back to each tensor's dtype.
+
+    Every file must hold the same keys with the same shapes as the first; the error names
+    the file and the key. Non-float tensors (none in this model) are taken from the last
+    file. Tensors that share storage (the tied embeddings) stay shared in the result.
+    """
+    if not paths:
+        raise ValueError("no checkpoints to average")
+    paths = [Path(p) for p in paths]
+    log.info("averaging %d checkpoints: %s", len(paths), ", ".join(p.name for p in paths))
+    first = _model_of(paths[0])
+    sums = {k: _accumulator(v) for k, v in first.items()}
+    for path in paths[1:]:
+        model = _model_of(path)
+        _check_same_layout(first, paths[0], model, path)
+        for key, value in model.items():
+            if value.is_floating_point():
+                sums[key] += value.to(sums[key].dtype)
+            else:
+                sums[key] = value.clone()
+    return _tie_like(first, {k: _mean(v, first[k], len(paths)) for k, v in sums.items()})
+
+
+def export_average(run_dir: Path, last_n: int, out: Path) -> Path:
+    """Average the last `last_n` checkpoints of `run_dir` (by step) into the model file
+    `out`, with the run's sentencepiece model. Fewer than `last_n` checkpoints is an error:
+    an average of fewer models is not the one asked for."""
+    run_dir = Path(run_dir)
+    paths = list_checkpoints(run_dir)
+    if len(paths) < last_n:
+        names = ", ".join(p.name for p in paths) or "none"
+        raise CheckpointError(
+            f"{run_dir}: {len(paths)} checkpoint(s) ({names}), {last_n} to average "
+            "(average.last_n): train longer or lower average.last_n"
+        )
+    return export_checkpoints(paths[-last_n:], run_dir / SPM_NAME, out)
+
+
+def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Path:
+    """Average training checkpoints `paths` into a model file (see checkpoint.ModelFile);
+    params and data fingerprint are those of the last (newest) one."""
+    if not Path(spm_model).is_file():
+        raise CheckpointError(f"{spm_model}: no sentencepiece model to export with the model")
+    infos = [load_checkpoint(p) for p in paths]
+    newest = infos[-1]
+    meta = {
+        "averaged_from": [Path(p).name for p in paths],
+        "steps": [info["step"] for info in infos],
+        "step": newest["step"],
+        "data_fingerprint": newest["data_fingerprint"],
+    }
+    model = average_checkpoints(paths)
+    spm_bytes = Path(spm_model).read_bytes()
+    saved = save_model_file(out, ModelFile(newest["params"], model, spm_bytes, meta))
+    log.info("wrote %s (average of steps %s)", saved, meta["steps"])
+    return saved
+
+
+def _model_of(path: Path) -> dict[str, torch.Tensor]:
+    # mmap: only the model's tensors are read, not the optimizer's (twice the model's size).
+    obj = load_file(path, mmap=True)
+    model = obj.get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{path}: holds no model state dict")
+    return model
+
+
+def _accumulator(value: torch.Tensor) -> torch.Tensor:
+    if not value.is_floating_point():
+        return value.clone()
+    return value.to(torch.promote_types(value.dtype, torch.float32), copy=True)
+
+
+def _mean(total: torch.Tensor, like: torch.Tensor, n: int) -> torch.Tensor:
+    return (total / n).to(like.dtype) if like.is_floating_point() else total
+
+
+def _check_same_layout(ref: dict, ref_path: Path, model: dict, path: Path) -> None:
+    if model.keys() != ref.keys():
+        missing = sorted(ref.keys() - model.keys())
+        extra = sorted(model.keys() - ref.keys())
+        raise CheckpointError(
+            f"{path}: keys differ from {ref_path.name} (missing {missing}, unexpected {extra})"
+        )
+    for key, value in model.items():
+        if value.shape != ref[key].shape:
+            raise CheckpointError(
+                f"{path}: {key} has shape {tuple(value.shape)}, "
+                f"{ref_path.name} has {tuple(ref[key].shape)}"
+            )
+
+
+def _tie_like(ref: dict[str, torch.Tensor], out: dict[str, torch.Tensor]):
+    """Where `ref` holds one tensor under several keys, make `out` do so too."""
+    seen: dict[tuple, str] = {}
+    for key, value in ref.items():
+        ident = (value.data_ptr(), value.shape, value.stride(), value.dtype)
+        if value.numel() and ident in seen:
+            out[key] = out[seen[ident]]
+        else:
+            seen.setdefault(ident, key)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m transformer.average",
+        description="Average checkpoints into one exported model file.",
+    )
+    parser.add_argument("inputs", nargs="+", type=Path, help="a run folder, or checkpoints")
+    parser.add_argument("--last", type=int, help="run folder: how many (default average.last_n)")
+    parser.add_argument("--out", type=Path, required=True, help="the model file to write")
+    parser.add_argument("--spm", type=Path, help="checkpoints: sentencepiece model to bundle")
+    args = parser.parse_args(argv)
+    setup_logging(is_main=True)
+    try:
+        if len(args.inputs) == 1 and args.inputs[0].is_dir():
+            run_dir = args.inputs[0]
+            export_average(run_dir, args.last or _configured_last_n(run_dir), args.out)
+        else:
+            spm_model = args.spm or args.inputs[0].resolve().parent.parent / SPM_NAME
+            export_checkpoints(args.inputs, spm_model, args.out)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _configured_last_n(run_dir: Path) -> int:
+    paths = list_checkpoints(run_dir)
+    if not paths:
+        raise CheckpointError(f"{run_dir}: no checkpoints")
+    return int(load_checkpoint(paths[-1])["params"]["average"]["last_n"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""Batches from the shards: memory-mapped reading, token-budget batching, padding, prefetch.
+
+    ds = ShardDataset(shards_dir, "train")
+    sampler = TokenBatchSampler.from_dataset(ds, max_tokens=4096, seed=1, rank=r, world_size=w)
+    loader = BatchLoader(ds, sampler)          # infinite, prefetched in a thread
+    for batch in loader: ...                   # batch.src, batch.tgt_in, batch.tgt_out
+    ckpt["data"] = loader.state_dict()         # position after the batches consumed
+
+Batches hold sentences of similar length (one length bucket at a time, sorted inside it)
+up to a token budget, as in the paper (5.1) and fairseq's batch_by_size.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from transformer.data import DataError
+from transformer.data.shard import SPM_NAME, load_manifest
+from transformer.vocab import BOS, PAD
+
+
+class Example(NamedTuple):
+    id: int  # row of the pair in its cleaned parquet file
+    src: np.ndarray  # subword ids, ending with EOS
+    tgt: np.ndarray
+
+
+@dataclass
+class Batch:
+    """A padded batch; every row of `src` and `tgt_out` ends with EOS, then PAD."""
+
+    src: torch.Tensor  # (B, S) long
+    tgt_in: torch.Tensor  # (B, T) long: [BOS] + tgt[:-1], the decoder input
+    tgt_out: torch.Tensor  # (B, T) long: tgt, the targets of the loss
+    ids: torch.Tensor  # (B,) long, stays on the CPU: bookkeeping, never model input
+    n_src_tokens: int  # non-pad source tokens
+    n_tgt_tokens: int  # non-pad targets: what the loss is normalised by
+
+    def __len__(self) -> int:
+        return self.src.shape[0]
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn) -> Batch:
+        return replace(self, **{f: fn(getattr(self, f)) for f in ("src", "tgt_in", "tgt_out")})
+
+
+def collate(examples: Sequence[Example], pad_id: int = PAD, bos_id: int = BOS) -> Batch:
+    """Right-pad (id, src, tgt) examples, src and tgt being int sequences ending with EOS."""
+    ids = np.array([e[0] for e in examples], dtype=np.int64)
+    src, src_lens = _pad_list([e[1] for e in examples], pad_id)
+    tgt, tgt_lens = _pad_list([e[2] for e in examples], pad_id)
+    return _make_batch(ids, src, src_lens, tgt, tgt_lens, pad_id, bos_id)
+
+
+# --------------------------------------------------------------------------- dataset
+
+
+class ShardDataset:
+    """One role's shards, memory-mapped: the token ids stay in the page cache, not the heap.
+
+    Example i is row i of the role's files in manifest order. `src_lens`/`tgt_lens` count
+    EOS; `buckets` is the length bucket of each example; `ids` its row in the cleaned corpus.
+    """
+
+    def __init__(self, shards_dir: Path, role: str):
+        shards_dir = Path(shards_dir)
+        manifest = load_manifest(shards_dir)
+        if role not in manifest["roles"]:
+            raise DataError(f"{shards_dir}: no role '{role}' in the manifest")
+        self.fingerprint: str = manifest["fingerprint"]
+        self.spm_model = shards_dir / SPM_NAME
+        self._src: list[tuple[np.ndarray, np.ndarray]] = []  # per file: (offsets, values)
+        self._tgt: list[tuple[np.ndarray, np.ndarray]] = []
+        ids, buckets, rows = [], [], []
+        for entry in manifest["roles"][role]["files"]:
+            table = _map_file(shards_dir / entry["path"])
+            self._src.append(_ragged(table.column("src").chunk(0)))
+            self._tgt.append(_ragged(table.column("tgt").chunk(0)))
+            ids.append(table.column("id").chunk(0).to_numpy())
+            buckets.append(np.full(table.num_rows, entry["bucket"], dtype=np.int64))
+            rows.append(table.num_rows)
+        self.ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        self.buckets = np.concatenate(buckets) if buckets else np.zeros(0, np.int64)
+        self.src_lens = _lengths(self._src)
+        self.tgt_lens = _lengths(self._tgt)
+        self._file_starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """The longer side of each example: its padded width in a batch."""
+        return np.maximum(self.src_lens, self.tgt_lens)
+
+    def __getitem__(self, i: int) -> Example:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"example {i} of {len(self)}")
+        i %= len(self)
+        f = int(np.searchsorted(self._file_starts, i, side="right")) - 1
+        row = i - self._file_starts[f]
+        return Example(int(self.ids[i]), _row(self._src[f], row), _row(self._tgt[f], row))
+
+    def batch(self, indices: Sequence[int], pad_id: int = PAD, bos_id: int = BOS) -> Batch:
+        """The padded Batch of these examples, gathered without a Python loop over rows."""
+        indices = np.asarray(indices, dtype=np.int64)
+        files = np.searchsorted(self._file_starts, indices, side="right") - 1
+        rows = indices - self._file_starts[files]
+        src_lens, tgt_lens = self.src_lens[indices], self.tgt_lens[indices]
+        src = _gather(self._src, files, rows, src_lens, pad_id)
+        tgt = _gather(self._tgt, files, rows, tgt_lens, pad_id)
+        return _make_batch(self.ids[indices], src, src_lens, tgt, tgt_lens, pad_id, bos_id)
+
+
+def _map_file(path: Path) -> pa.Table:
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{path}: unreadable shard ({err}); run verify_shards") from None
+    # The writer puts one batch in a file, so this is zero-copy; more would be concatenated.
+    return pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
+
+
+def _ragged(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    # `offsets` index into `values` directly (values ignores the array's own slice offset).
+    return column.offsets.to_numpy(), column.values.to_numpy()
+
+
+def _lengths(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    return np.concatenate([np.diff(off) for off, _ in parts] or [np.zeros(0)]).astype(np.int64)
+
+
+def _row(part: tuple[np.ndarray, np.ndarray], row: int) -> np.ndarray:
+    offsets, values = part
+    return values[offsets[row] : offsets[row + 1]]
+
+
+def _gather(parts, files: np.ndarray, rows: np.ndarray, lens: np.ndarray, pad_id: int):
+    out = np.full((len(rows), int(lens.max(initial=0))), pad_id, dtype=np.int64)  # (B, L)
+    for f in np.unique(files):  # a batch comes from one bucket: one file, rarely two
+        sel = np.flatnonzero(files == f)
+        offsets, values = parts[f]
+        out[sel] = _pad_rows(values, offsets[rows[sel]], lens[sel], out.shape[1], pad_id)
+    return out
+
+
+def _pad_list(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    values = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs] or [np.zeros(0)])
+    starts = np.cumsum(lens) - lens
+    return _pad_rows(values, starts, lens, int(lens.max(initial=0)), pad_id), lens
+
+
+def _pad_rows(values, starts, lens, width: int, pad_id: int) -> np.ndarray:
+    """Row b = values[starts[b] : starts[b] + lens[b]], right-padded to `width`."""
+    cols = np.arange(width)
+    valid = cols < lens[:, None]  # (B, width)
+    pos = np.where(valid, starts[:, None] + cols, 0)  # 0: any in-bounds index, masked below
+    return np.where(valid, values[pos], pad_id).astype(np.int64)
+
+
+def _make_batch(ids, src, src_lens, tgt_out, tgt_lens, pad_id: int, bos_id: int) -> Batch:
+    if len(ids) == 0 or min(src_lens.min(), tgt_lens.min()) < 1:
+        raise ValueError("a batch needs examples, each side holding at least its EOS")
+    tgt_in = np.empty_like(tgt_out)  # (B, T)
+    tgt_in[:, 0] = bos_id
+    tgt_in[:, 1:] = tgt_out[:, :-1]
+    # Shifting moved each row's EOS into its first padding position: pad it again.
+    short = np.flatnonzero(tgt_lens < tgt_out.shape[1])
+    tgt_in[short, tgt_lens[short]] = pad_id
+    return Batch(
+        src=torch.from_numpy(src),
+        tgt_in=torch.from_numpy(tgt_in),
+        tgt_out=torch.from_numpy(tgt_out),
+        ids=torch.from_numpy(np.asarray(ids, dtype=np.int64)),
+        n_src_tokens=int(src_lens.sum()),
+        n_tgt_tokens=int(tgt_lens.sum()),
+    )
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+class TokenBatchSampler:
+    """Token-budget batches of example indices, the same on every rank, shared out by rank.
+
+    A batch is cut from one length bucket sorted by length, and holds as many examples as
+    fit `n_sentences * max(longest src, longest tgt) <= max_tokens`: the size of the larger
+    padded tensor, padding counted. Each epoch breaks ties between equal lengths and orders
+    the batches at random from (seed, epoch); every rank builds the same list and takes
+    batches[rank::world_size], so ranks are disjoint and together see every example once
+    per epoch. The batch boundaries depend only on the sorted lengths, so every epoch has
+    the same number of batches.
+
+    Iterating is an endless stream, epoch after epoch, from (`epoch`, `position`);
+    `epoch_batches(e)` is one finite epoch (validation, decoding) and leaves the state alone.
+    An example longer than max_tokens is an error (ValueError naming it), never dropped.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        buckets: np.ndarray,
+        max_tokens: int,
+        *,
+        seed: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        ids: np.ndarray | None = None,
+    ):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.buckets = np.asarray(buckets, dtype=np.int64)
+        if self.lengths.shape != self.buckets.shape or self.lengths.ndim != 1:
+            raise ValueError("lengths and buckets must be 1-D arrays of the same length")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.max_tokens, self.seed, self.shuffle = max_tokens, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        _check_lengths(self.lengths, max_tokens, ids)
+        # Bucket first, then length: one sort gives every bucket's run, shortest first. The
+        # narrowest dtype (uint16 for WMT) lets numpy's stable sort use radix sort: ~10x faster.
+        key = self.buckets * (int(self.lengths.max()) + 1) + self.lengths
+        self._key = key.astype(np.min_scalar_type(key.max()))
+        self._sorted = np.argsort(self._key, kind="stable")
+        self._bounds = _batch_bounds(
+            self.lengths[self._sorted], self.buckets[self._sorted], max_tokens
+        )
+        self.n_batches = len(self._bounds)
+        if self.n_batches < world_size:
+            raise ValueError(f"{self.n_batches} batches cannot feed {world_size} ranks")
+        self.batches_per_rank = len(range(rank, self.n_batches, world_size))
+        self.epoch = 0
+        self.position = 0  # batches of `epoch` this rank has consumed
+        self._cache: tuple[int, list[np.ndarray]] | None = None
+
+    @classmethod
+    def from_dataset(cls, dataset: ShardDataset, max_tokens: int, **kwargs) -> TokenBatchSampler:
+        return cls(dataset.lengths, dataset.buckets, max_tokens, ids=dataset.ids, **kwargs)
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's batches of `epoch`, in order (arrays of example indices)."""
+        if self._cache is None or self._cache[0] != epoch:
+            self._cache = (epoch, self._all_batches(epoch)[self.rank :: self.world_size])
+        return self._cache[1]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        while True:
+            batches = self.epoch_batches(self.epoch)
+            while self.position < len(batches):
+                self.position += 1  # before yielding: the state counts the batch handed out
+                yield batches[self.position - 1]
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        """`consumed` (batches this rank has had since epoch 0) is what a resume uses: ranks
+        step in lockstep, so rank 0's state restores every rank, uneven epochs included."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "consumed": self.epoch * self.batches_per_rank + self.position,
+            **self._identity(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"sampler state has {key}={state.get(key)!r}, this sampler {value!r}: "
+                    "resuming would not continue the same sequence of batches"
+                )
+        self.epoch, self.position = divmod(int(state["consumed"]), self.batches_per_rank)
+
+    def _identity(self) -> dict:
+        return {
+            "seed": self.seed,
+            "max_tokens": self.max_tokens,
+            "shuffle": self.shuffle,
+            "world_size": self.world_size,
+            "n_examples": len(self.lengths),
+            "n_batches": self.n_batches,
+        }
+
+    def _all_batches(self, epoch: int) -> list[np.ndarray]:
+        if not self.shuffle:
+            return [self._sorted[s:e] for s, e in self._bounds]
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = rng.permutation(len(self.lengths))
+        order = perm[np.argsort(self._key[perm], kind="stable")]  # equal keys in random order
+        batches = [order[s:e] for s, e in self._bounds]
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def _check_lengths(lengths: np.ndarray, max_tokens: int, ids: np.ndarray | None) -> None:
+    if len(lengths) == 0:
+        raise ValueError("no examples to batch")
+    if lengths.min() < 1:
+        raise ValueError("every example holds at least its EOS (length >= 1)")
+    too_long = np.flatnonzero(lengths > max_tokens)
+    if too_long.size:
+        i = too_long[np.argmax(lengths[too_long])]
+        name = int(ids[i]) if ids is not None else int(i)
+        raise ValueError(
+            f"{too_long.size} example(s) longer than max_tokens={max_tokens}, e.g. id {name} "
+            f"with {lengths[i]} subwords: raise train.max_tokens or lower data.clean.max_len"
+        )
+
+
+def _batch_bounds(sorted_lens: np.ndarray, sorted_buckets: np.ndarray, max_tokens: int):
+    """[(start, end)] into the sorted order: greedy token-budget batches within each bucket."""
+    bounds = []
+    bucket_ends = np.append(np.flatnonzero(np.diff(sorted_buckets)) + 1, len(sorted_lens))
+    start = 0
+    for end in bucket_ends:
+        while start < end:
+            # Lengths ascend, so n * len[start + n - 1] grows with n: the batch is the run of
+            # leading True values, at most max_tokens // len[start] long.
+            window = sorted_lens[start : min(end, start + max_tokens // sorted_lens[start])]
+            fits = window * np.arange(1, len(window) + 1) <= max_tokens
+            stop = start + (len(window) if fits[-1] else int(np.argmin(fits)))
+            bounds.append((start, stop))
+            start = stop
+    return bounds
+
+
+# --------------------------------------------------------------------------- loader
+
+
+_END = object()
+
+
+class BatchLoader:
+    """Collates batches in a background thread, `prefetch` ahead of the training step.
+
+    `epoch=None`: the sampler's endless stream, from its current state. `state_dict()` is
+    the sampler's state after the last batch *yielded* (not the last prefetched), so a
+    checkpoint taken between steps resumes exactly. `epoch=k`: one pass over the rank's
+    batches of epoch k, for validation. While iterating, the loader owns the sampler.
+    """
+
+    def __init__(
+        self,
+        dataset: ShardDataset,
+        sampler: TokenBatchSampler,
+        *,
+        epoch: int | None = None,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        pad_id: int = PAD,
+        bos_id: int = BOS,
+    ):
+        self.dataset, self.sampler, self.epoch = dataset, sampler, epoch
+        self.pin_memory, self.pad_id, self.bos_id = pin_memory, pad_id, bos_id
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._state = sampler.state_dict()
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()
+        self.sampler.load_state_dict(state)
+        self._state = self.sampler.state_dict()
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.close()
+        if self.epoch is None:  # the producer ran ahead of the consumer: rewind to it
+            self.sampler.load_state_dict(self._state)
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self._queue.maxsize)
+        self._thread = threading.Thread(target=self._produce, daemon=True, name="BatchLoader")
+        self._thread.start()
+        try:
+            while (item := self._queue.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                batch, state = item
+                if state is not None:
+                    self._state = state
+                yield batch
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the producer thread (iterating again restarts it from the consumed state)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _produce(self) -> None:
+        try:
+            finite = self.epoch is not None
+            source = self.sampler.epoch_batches(self.epoch) if finite else self.sampler
+            for indices in source:
+                batch = self.dataset.batch(indices, self.pad_id, self.bos_id)
+                if self.pin_memory:
+                    batch = batch.pin_memory()
+                if not self._put((batch, None if finite else self.sampler.state_dict())):
+                    return
+            self._put(_END)
+        except BaseException as err:  # handed to the consumer, raised there
+            self._put(err)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False

@@ -1,0 +1,382 @@
+"""Stage "download": a source's train/valid/test splits as parquet files of `src`, `tgt`.
+
+A source is either the Hugging Face hub dataset of the paper's data (`wmt/wmt14`, config
+`de-en`, at a pinned revision) or a local folder: plain-text parallel files `{split}.{lang}`
+(gzip allowed), or `{split}.parquet` / `{split}.jsonl` in the hub's schema, a `translation`
+column of {lang: text} dicts. Every kind ends in the same stream of record batches, and the
+hub and parquet/jsonl kinds share one schema function, `translation_batches`. Everything
+streams in batches: WMT14's 4.5M pairs never sit whole in memory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from transformer.config import DataConfig, SourceConfig
+from transformer.data import ROLES, DataError, atomic_dir, file_sha256
+
+log = logging.getLogger(__name__)
+
+BATCH_ROWS = 65_536  # pairs per record batch: large enough for vectorised ops, small in RAM
+SCHEMA = pa.schema([("src", pa.string()), ("tgt", pa.string())])
+HUB_ATTEMPTS = 3
+HUB_BACKOFF_S = 10.0  # doubled after each failed attempt
+OFFLINE_HINT = (
+    "Without access to the hub, set data.source.path to a local copy (text files, or "
+    "parquet/jsonl in the hub's 'translation' schema), or set HF_HUB_OFFLINE=1 with the "
+    "dataset already in the Hugging Face cache (HF_HOME / HF_DATASETS_CACHE)."
+)
+
+
+@dataclass
+class InvalidPolicy:
+    """What to do with a bad pair (invalid UTF-8, missing text): stop, or drop and count."""
+
+    mode: str  # CleanConfig.on_invalid: "error" | "drop"
+    dropped: int = 0
+
+    def reject(self, message: str) -> None:
+        if self.mode == "error":
+            raise DataError(message)
+        if self.dropped == 0:
+            log.warning("dropping bad pairs (data.clean.on_invalid=drop); first: %s", message)
+        self.dropped += 1
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def prepare_source(cfg: DataConfig, out_dir: Path) -> dict:
+    """Write `out_dir/{train,valid,test}.parquet` and `out_dir/prepare.json`; return the latter."""
+    out_dir = Path(out_dir)
+    manifest: dict[str, Any] = {
+        "source": _describe_source(cfg.source),
+        "src_lang": cfg.src_lang,
+        "tgt_lang": cfg.tgt_lang,
+        "splits": {role: getattr(cfg.splits, role) for role in ROLES},
+        "fingerprints": input_fingerprints(cfg),
+        "counts": {},
+        "dropped_invalid": {},
+    }
+    with atomic_dir(out_dir) as tmp:
+        for role in ROLES:
+            split = getattr(cfg.splits, role)
+            invalid = InvalidPolicy(cfg.clean.on_invalid)
+            rows = write_pairs(split_batches(cfg, split, invalid), tmp / f"{role}.parquet")
+            manifest["counts"][role] = rows
+            manifest["dropped_invalid"][role] = invalid.dropped
+            log.info(
+                "prepared %s (split %r): %d pairs, %d dropped", role, split, rows, invalid.dropped
+            )
+        (tmp / "prepare.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def input_fingerprints(cfg: DataConfig) -> dict[str, str]:
+    """What identifies the input: the hub repo at its revision, or sha256 of each local file."""
+    source = cfg.source
+    if source.hub is not None:
+        return {"hub": source.hub, "config": source.config, "revision": source.revision}
+    return {path.name: file_sha256(path) for path in _local_files(cfg)}
+
+
+def split_batches(cfg: DataConfig, split: str, invalid: InvalidPolicy) -> Iterator[pa.RecordBatch]:
+    """One split of the configured source as record batches of `src`, `tgt` (in line order)."""
+    source = cfg.source
+    if source.hub is not None:
+        dataset = load_hub_split(source, split)
+        return dataset_batches(
+            dataset, cfg.src_lang, cfg.tgt_lang, f"{source.hub}:{split}", invalid
+        )
+    root = _local_root(source)
+    if source.format == "text":
+        src_path = _text_file(root, split, cfg.src_lang)
+        tgt_path = _text_file(root, split, cfg.tgt_lang)
+        return text_batches(src_path, tgt_path, invalid)
+    path = _required(root / f"{split}.{source.format}")
+    if source.format == "parquet":
+        tables = read_batches(path, ["translation"])
+    else:
+        tables = _jsonl_tables(path)
+    return translation_batches(tables, cfg.src_lang, cfg.tgt_lang, str(path), invalid)
+
+
+def read_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """A parquet file's record batches, one row group at a time."""
+    # Row group by row group rather than ParquetFile.iter_batches, whose buffers grew with
+    # the file in our measurements (pyarrow 25); a row group is bounded by its writer.
+    parquet = pq.ParquetFile(path)
+    for i in range(parquet.metadata.num_row_groups):
+        yield from parquet.read_row_group(i, columns=columns).to_batches()
+
+
+def write_pairs(batches: Iterable[pa.RecordBatch], path: Path) -> int:
+    """Stream batches into one parquet file of SCHEMA; return the number of rows."""
+    rows = 0
+    with pq.ParquetWriter(path, SCHEMA) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+            rows += batch.num_rows
+    return rows
+
+
+# --------------------------------------------------------------------------- hub and schema
+
+
+def load_hub_split(source: SourceConfig, split: str):
+    """`datasets.load_dataset` at the pinned revision, retried with backoff on network errors."""
+    import datasets  # a heavy import (~1 s) that only the hub path needs
+
+    what = (
+        f"the Hugging Face dataset {source.hub!r} (config {source.config!r}, "
+        f"revision {source.revision}, split {split!r})"
+    )
+    # Offline mode fails the same way every time: retrying would only delay the error.
+    attempts = 1 if datasets.config.HF_HUB_OFFLINE else HUB_ATTEMPTS
+    for attempt in range(1, attempts + 1):
+        try:
+            return datasets.load_dataset(
+                source.hub, source.config, revision=source.revision, split=split
+            )
+        except (FileNotFoundError, ValueError) as err:  # no such repo, config, revision, split
+            raise DataError(f"{what} was not found: {err}") from err
+        except OSError as err:  # ConnectionError, HfHubHTTPError, timeouts
+            if attempt == attempts:
+                raise DataError(
+                    f"cannot load {what} after {attempts} attempt(s): {err}. {OFFLINE_HINT}"
+                ) from err
+            wait = HUB_BACKOFF_S * 2 ** (attempt - 1)
+            log.warning(
+                "hub %s attempt %d failed (%s); retry in %.0f s", source.hub, attempt, err, wait
+            )
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def dataset_batches(
+    dataset, src_lang: str, tgt_lang: str, where: str, invalid: InvalidPolicy
+) -> Iterator[pa.RecordBatch]:
+    """A `datasets.Dataset` in the hub schema as `src`/`tgt` batches (memory-mapped, streamed)."""
+    tables = dataset.with_format("arrow").iter(batch_size=BATCH_ROWS)
+    return translation_batches(tables, src_lang, tgt_lang, where, invalid)
+
+
+def translation_batches(
+    tables: Iterable[pa.Table | pa.RecordBatch],
+    src_lang: str,
+    tgt_lang: str,
+    where: str,
+    invalid: InvalidPolicy,
+) -> Iterator[pa.RecordBatch]:
+    """The hub schema (`translation`: {lang: text}) to `src`/`tgt` string batches.
+
+    Shared by the hub path and local parquet/jsonl files, so a local stand-in tests the hub's
+    schema handling. `where` names the input in errors; rows are numbered from 1.
+    """
+    offset = 0
+    for table in tables:
+        column = _translation_column(table, where, (src_lang, tgt_lang))
+        # pc.struct_field (unlike StructArray.field) keeps a null dict's null: missing text.
+        src = _as_string(pc.struct_field(column, src_lang))
+        tgt = _as_string(pc.struct_field(column, tgt_lang))
+        batch = pa.RecordBatch.from_arrays([src, tgt], schema=SCHEMA)
+        yield _drop_bad_rows(batch, where, offset, invalid)
+        offset += len(column)
+
+
+def _translation_column(table: pa.Table | pa.RecordBatch, where: str, langs) -> pa.Array:
+    if "translation" not in table.column_names:
+        raise DataError(f"{where}: no 'translation' column (columns: {table.column_names})")
+    column = table.column("translation")
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if not pa.types.is_struct(column.type):
+        raise DataError(f"{where}: 'translation' must hold {{lang: text}} dicts, not {column.type}")
+    fields = [column.type.field(i).name for i in range(column.type.num_fields)]
+    for lang in langs:
+        if lang not in fields:
+            raise DataError(f"{where}: 'translation' has no {lang!r} text (languages: {fields})")
+    return column
+
+
+def _as_string(array: pa.Array) -> pa.Array:
+    # The hub's files may use large_string; the output schema is one type for every source.
+    return array.cast(pa.string()) if array.type != pa.string() else array
+
+
+def _drop_bad_rows(
+    batch: pa.RecordBatch, where: str, offset: int, invalid: InvalidPolicy
+) -> pa.RecordBatch:
+    """Reject rows with missing text or invalid UTF-8 (parquet does not validate strings)."""
+    bad = {}
+    for name in SCHEMA.names:
+        column = batch.column(name)
+        for i in _null_rows(column):
+            bad.setdefault(i, f"{where}: row {offset + i + 1}: no {name} text")
+        for i in _invalid_utf8_rows(column):
+            bad.setdefault(i, f"{where}: row {offset + i + 1}: invalid UTF-8 in {name}")
+    if not bad:
+        return batch
+    for i in sorted(bad):
+        invalid.reject(bad[i])
+    keep = [i not in bad for i in range(batch.num_rows)]
+    return batch.filter(pa.array(keep))
+
+
+def _null_rows(column: pa.Array) -> list[int]:
+    if column.null_count == 0:
+        return []
+    return pc.indices_nonzero(column.is_null()).to_pylist()
+
+
+def _invalid_utf8_rows(column: pa.Array) -> list[int]:
+    try:
+        column.validate(full=True)  # checks UTF-8 in C++; the slow scan below only on failure
+        return []
+    except pa.ArrowInvalid:
+        raw = column.cast(pa.binary()).to_pylist()
+        return [i for i, value in enumerate(raw) if value is not None and not _is_utf8(value)]
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _jsonl_tables(path: Path) -> Iterator[pa.RecordBatch]:
+    # The reader infers the nested struct from the first block; unrelated keys may differ.
+    try:
+        with pa_json.open_json(path) as reader:
+            yield from reader
+    except pa.ArrowInvalid as err:
+        raise DataError(f"{path}: not valid JSON lines: {err}") from None
+
+
+# --------------------------------------------------------------------------- plain text
+
+
+def text_batches(
+    src_path: Path, tgt_path: Path, invalid: InvalidPolicy
+) -> Iterator[pa.RecordBatch]:
+    """Two line-aligned text files (optionally gzipped) as `src`/`tgt` batches.
+
+    Lines are split on b"\\n" only (never on Unicode line separators, which `str.splitlines`
+    would honour and which would misalign the two sides); a trailing "\\r" is removed.
+    """
+    src_lines: list[bytes] = []
+    tgt_lines: list[bytes] = []
+    first_line = 1
+    with _open_text(src_path) as src_file, _open_text(tgt_path) as tgt_file:
+        for src, tgt in zip_longest(src_file, tgt_file):
+            if src is None or tgt is None:
+                n = first_line + len(src_lines)  # the line number the shorter file lacks
+                _raise_mismatch(src_path, tgt_path, src_file, tgt_file, n, src is None)
+            src_lines.append(src)
+            tgt_lines.append(tgt)
+            if len(src_lines) == BATCH_ROWS:
+                yield _text_batch(src_lines, tgt_lines, (src_path, tgt_path), first_line, invalid)
+                first_line += len(src_lines)
+                src_lines, tgt_lines = [], []
+    if src_lines:
+        yield _text_batch(src_lines, tgt_lines, (src_path, tgt_path), first_line, invalid)
+
+
+def _raise_mismatch(src_path, tgt_path, src_file, tgt_file, n, src_ended) -> None:
+    # Count the rest of the longer file, so that the message gives both real line counts.
+    longer = tgt_file if src_ended else src_file
+    longer_count = n + sum(1 for _ in longer)
+    src_count, tgt_count = (n - 1, longer_count) if src_ended else (longer_count, n - 1)
+    shorter = src_path if src_ended else tgt_path
+    raise DataError(
+        f"parallel files differ in length: {src_path} has {src_count} lines, "
+        f"{tgt_path} has {tgt_count} lines ({shorter} ends after line {n - 1})"
+    )
+
+
+def _text_batch(
+    src_lines: list[bytes],
+    tgt_lines: list[bytes],
+    paths: tuple[Path, Path],
+    first_line: int,
+    invalid: InvalidPolicy,
+) -> pa.RecordBatch:
+    # A zero-copy string view of the bytes; validate() then finds invalid UTF-8 in C++.
+    columns = [
+        pa.array(lines, type=pa.binary()).view(pa.string()) for lines in (src_lines, tgt_lines)
+    ]
+    bad = {}
+    for column, path in zip(columns, paths, strict=True):
+        for i in _invalid_utf8_rows(column):
+            bad.setdefault(i, f"{path}: line {first_line + i}: invalid UTF-8")
+    if bad:
+        for i in sorted(bad):
+            invalid.reject(bad[i])
+        keep = pa.array([i not in bad for i in range(len(src_lines))])
+        columns = [column.filter(keep) for column in columns]
+    arrays = [pc.utf8_rtrim(column, characters="\r\n") for column in columns]
+    return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
+
+
+def _open_text(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+# --------------------------------------------------------------------------- local files
+
+
+def _local_root(source: SourceConfig) -> Path:
+    # Relative paths are relative to the current directory (where the pipeline was started).
+    root = Path(source.path).expanduser().resolve()
+    if not root.is_dir():
+        raise DataError(f"{root}: data.source.path is not a directory")
+    return root
+
+
+def _text_file(root: Path, split: str, lang: str) -> Path:
+    plain = root / f"{split}.{lang}"
+    gzipped = root / f"{split}.{lang}.gz"
+    if plain.is_file():
+        return plain
+    if gzipped.is_file():
+        return gzipped
+    raise DataError(f"{plain}: no such file (nor {gzipped.name})")
+
+
+def _required(path: Path) -> Path:
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    return path
+
+
+def _local_files(cfg: DataConfig) -> list[Path]:
+    root = _local_root(cfg.source)
+    files = []
+    for role in ROLES:
+        split = getattr(cfg.splits, role)
+        if cfg.source.format == "text":
+            files += [_text_file(root, split, cfg.src_lang), _text_file(root, split, cfg.tgt_lang)]
+        else:
+            files.append(_required(root / f"{split}.{cfg.source.format}"))
+    return files
+
+
+def _describe_source(source: SourceConfig) -> dict[str, Any]:
+    if source.hub is not None:
+        return {"hub": source.hub, "config": source.config, "revision": source.revision}
+    return {"path": str(_local_root(source)), "format": source.format}
