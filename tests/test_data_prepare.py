@@ -67,7 +67,7 @@ def read_pairs(path: Path) -> list[tuple[str, str]]:
 def assert_prepared(out: Path, manifest: dict) -> None:
     for role, rows in PAIRS.items():
         assert read_pairs(out / f"{role}.parquet") == rows
-        assert manifest["counts"][role] == len(rows)
+        assert manifest["counts"][role] == {"pairs": len(rows), "dropped_invalid": 0}
     assert json.loads((out / "prepare.json").read_text()) == manifest
 
 
@@ -209,8 +209,8 @@ def test_invalid_utf8_drop_mode_counts_the_pair(tmp_path):
     (src / "train.de").write_bytes(b"der Hund\n\xff\xfe kaputt\n")
     manifest = prepare_source(data_config(src, on_invalid="drop"), tmp_path / "out")
     assert read_pairs(tmp_path / "out" / "train.parquet") == [("the dog sleeps .", "der Hund")]
-    assert manifest["counts"]["train"] == 1
-    assert manifest["dropped_invalid"] == {"train": 1, "valid": 0, "test": 0}
+    assert manifest["counts"]["train"] == {"pairs": 1, "dropped_invalid": 1}
+    assert manifest["counts"]["test"] == {"pairs": 3, "dropped_invalid": 0}
 
 
 def test_failure_mid_write_leaves_no_output(tmp_path, monkeypatch):
@@ -265,7 +265,7 @@ def test_clean_counts_each_filter_and_leaves_valid_test_whole(tmp_path):
         pq.write_table(table, raw / f"{role}.parquet")
     cfg = CleanConfig(min_len=2, max_len=5, max_ratio=1.5, dedup=True)
     report = clean_corpus(raw, cfg, tmp_path / "clean")
-    assert report["counts"]["train"] == {
+    assert report["train"] == {
         "read": 9,
         "kept": 3,
         "dropped_empty": 2,
@@ -285,7 +285,7 @@ def test_clean_counts_each_filter_and_leaves_valid_test_whole(tmp_path):
             ("", ""),
             ("a b c d e f g", "a"),
         ]
-        assert report["counts"][role]["kept"] == report["counts"][role]["read"] == 3
+        assert report[role]["kept"] == report[role]["read"] == 3
     assert json.loads((tmp_path / "clean" / "clean.json").read_text()) == report
 
 
@@ -293,10 +293,10 @@ def test_clean_without_dedup_keeps_duplicates(tmp_path):
     src = write_text(tmp_path / "src", {**PAIRS, "train": PAIRS["train"] * 3})
     prepare_source(data_config(src), tmp_path / "raw")
     report = clean_corpus(tmp_path / "raw", CleanConfig(dedup=False), tmp_path / "clean")
-    assert report["counts"]["train"]["kept"] == 6
+    assert report["train"]["kept"] == 6
     report = clean_corpus(tmp_path / "raw", CleanConfig(dedup=True), tmp_path / "clean")
-    assert report["counts"]["train"]["kept"] == 2
-    assert report["counts"]["train"]["dropped_duplicate"] == 4
+    assert report["train"]["kept"] == 2
+    assert report["train"]["dropped_duplicate"] == 4
 
 
 def test_clean_missing_input_leaves_no_output(tmp_path):
@@ -317,10 +317,11 @@ def test_multi30k_counts(tmp_path):
         }
     )
     manifest = prepare_source(cfg, tmp_path / "raw")
-    assert manifest["counts"] == {"train": 29000, "valid": 1014, "test": 1000}
+    pairs = {role: counts["pairs"] for role, counts in manifest["counts"].items()}
+    assert pairs == {"train": 29000, "valid": 1014, "test": 1000}
     report = clean_corpus(tmp_path / "raw", cfg.clean, tmp_path / "clean")
-    assert report["counts"]["test"]["kept"] == 1000
-    assert 25000 < report["counts"]["train"]["kept"] < 29000
+    assert report["test"]["kept"] == 1000
+    assert 25000 < report["train"]["kept"] < 29000
 
 
 def test_smoke_data_is_reproduced_by_its_generator(tmp_path):

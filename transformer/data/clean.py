@@ -37,9 +37,10 @@ COUNTS = (
 
 
 def clean_corpus(in_dir: Path, cfg: CleanConfig, out_dir: Path) -> dict:
-    """Write `out_dir/{train,valid,test}.parquet` and `out_dir/clean.json`; return the latter."""
+    """Write `out_dir/{train,valid,test}.parquet` and `out_dir/clean.json`; return the latter:
+    {role: {count name: number}} with the names of COUNTS."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    report = {"config": cfg.model_dump(mode="json"), "counts": {}}
+    report = {}
     with atomic_dir(out_dir) as tmp:
         for role in ROLES:
             source = in_dir / f"{role}.parquet"
@@ -50,7 +51,7 @@ def clean_corpus(in_dir: Path, cfg: CleanConfig, out_dir: Path) -> dict:
             # empty one (kept as empty strings); they are only stripped of outer whitespace.
             train_cfg = cfg if role == "train" else None
             counts = _clean_file(source, tmp / f"{role}.parquet", train_cfg)
-            report["counts"][role] = counts
+            report[role] = counts
             log.info("cleaned %s: %s", role, ", ".join(f"{k} {v}" for k, v in counts.items()))
         (tmp / "clean.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -60,7 +60,11 @@ class InvalidPolicy:
 
 
 def prepare_source(cfg: DataConfig, out_dir: Path) -> dict:
-    """Write `out_dir/{train,valid,test}.parquet` and `out_dir/prepare.json`; return the latter."""
+    """Write `out_dir/{train,valid,test}.parquet` and `out_dir/prepare.json`; return the latter.
+
+    prepare.json: the source, languages, split names, input fingerprints, and
+    counts = {role: {"pairs": rows written, "dropped_invalid": bad pairs dropped}}.
+    """
     out_dir = Path(out_dir)
     manifest: dict[str, Any] = {
         "source": _describe_source(cfg.source),
@@ -69,15 +73,13 @@ def prepare_source(cfg: DataConfig, out_dir: Path) -> dict:
         "splits": {role: getattr(cfg.splits, role) for role in ROLES},
         "fingerprints": input_fingerprints(cfg),
         "counts": {},
-        "dropped_invalid": {},
     }
     with atomic_dir(out_dir) as tmp:
         for role in ROLES:
             split = getattr(cfg.splits, role)
             invalid = InvalidPolicy(cfg.clean.on_invalid)
             rows = write_pairs(split_batches(cfg, split, invalid), tmp / f"{role}.parquet")
-            manifest["counts"][role] = rows
-            manifest["dropped_invalid"][role] = invalid.dropped
+            manifest["counts"][role] = {"pairs": rows, "dropped_invalid": invalid.dropped}
             log.info(
                 "prepared %s (split %r): %d pairs, %d dropped", role, split, rows, invalid.dropped
             )
@@ -260,7 +262,7 @@ def _is_utf8(value: bytes) -> bool:
 
 
 def _jsonl_tables(path: Path) -> Iterator[pa.RecordBatch]:
-    # The reader infers the nested struct from the first block; unrelated keys may differ.
+    # Streams blocks of lines; the `translation` struct type is inferred from the first one.
     try:
         with pa_json.open_json(path) as reader:
             yield from reader
@@ -297,7 +299,9 @@ def text_batches(
         yield _text_batch(src_lines, tgt_lines, (src_path, tgt_path), first_line, invalid)
 
 
-def _raise_mismatch(src_path, tgt_path, src_file, tgt_file, n, src_ended) -> None:
+def _raise_mismatch(
+    src_path: Path, tgt_path: Path, src_file: IO, tgt_file: IO, n: int, src_ended: bool
+) -> None:
     # Count the rest of the longer file, so that the message gives both real line counts.
     longer = tgt_file if src_ended else src_file
     longer_count = n + sum(1 for _ in longer)
