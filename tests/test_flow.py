@@ -88,7 +88,7 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
     for key in ("params_hash", "git_commit", "version.torch", "data_fingerprint"):
         assert tags.get(key), key
     assert tags["sacrebleu_signature"].startswith("nrefs:1")
-    assert run.data.params["model.d_model"] == "64"
+    assert run.data.params["model.d_model"] == "128"
     assert run.data.params["train.max_steps"] == "40"
 
     def listing(path=None):
