@@ -17,15 +17,15 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from prefect import flow, task  # noqa: E402
-from prefect.filesystems import LocalFileSystem  # noqa: E402
+from prefect import flow, task
+from prefect.filesystems import LocalFileSystem
 
-from tasks.data import clean, download, encode_shard, learn_bpe  # noqa: E402
-from tasks.evaluate import average, decode_score, publish  # noqa: E402
-from tasks.stages import plan, write_params  # noqa: E402
-from tasks.tracking import client_for, experiment_id, finish_run, open_parent_run, tracking_uri  # noqa: E402
-from tasks.train import train  # noqa: E402
-from transformer.config import ParamsError, fingerprint, load_params, params_hash  # noqa: E402
+from tasks.data import clean, download, encode_shard, learn_bpe
+from tasks.evaluate import average, decode_score, publish
+from tasks.stages import plan, refresh_needed, write_params
+from tasks.tracking import client_for, experiment_id, finish_run, open_parent_run, tracking_uri
+from tasks.train import train
+from transformer.config import ParamsError, fingerprint, load_params, params_hash
 
 
 @task(name="open-run")
@@ -62,19 +62,22 @@ def wmt14_ende(
     layout = plan(load_params(params, overrides), work_dir)
     # Prefect's results and cache records live with the outputs they point at.
     store = results_store(layout.work_dir)
-    stage = dict(result_storage=store, refresh_cache=refresh or None)
+
+    def stage(task, out: Path):
+        return task.with_options(result_storage=store, refresh_cache=refresh_needed(out, refresh))
+
     tracking = open_run(params, overrides, str(layout.work_dir))
     try:
         p, r = str(layout.params_file), refresh
-        prepared = download.with_options(**stage)(p, str(layout.prepare), tracking, r)
-        cleaned = clean.with_options(**stage)(p, prepared, str(layout.clean), tracking, r)
-        vocab = learn_bpe.with_options(**stage)(p, cleaned, str(layout.vocab), tracking, r)
-        shards = encode_shard.with_options(**stage)(
+        prepared = stage(download, layout.prepare)(p, str(layout.prepare), tracking, r)
+        cleaned = stage(clean, layout.clean)(p, prepared, str(layout.clean), tracking, r)
+        vocab = stage(learn_bpe, layout.vocab)(p, cleaned, str(layout.vocab), tracking, r)
+        shards = stage(encode_shard, layout.shards)(
             p, cleaned, vocab, str(layout.shards), tracking, r
         )
-        run_dir = train.with_options(**stage)(p, shards, str(layout.train), tracking, r)
-        model = average.with_options(**stage)(p, run_dir, str(layout.average), tracking, r)
-        decoded = decode_score.with_options(**stage)(
+        run_dir = stage(train, layout.train)(p, shards, str(layout.train), tracking, r)
+        model = stage(average, layout.average)(p, run_dir, str(layout.average), tracking, r)
+        decoded = stage(decode_score, layout.decode)(
             p, model, cleaned, str(layout.decode), tracking, r
         )
         scores = publish(p, shards, model, decoded, tracking)

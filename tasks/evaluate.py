@@ -8,14 +8,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 from prefect import task
-from transformer.average import export_average
-from transformer.evaluate import score
-from transformer.translate import load_translator, translate_lines
 
 from tasks.data import data_fingerprint
 from tasks.stages import fresh, output_key
 from tasks.tracking import client_for, log_metrics, stage_run
+from transformer.average import export_average
 from transformer.config import load_params
+from transformer.evaluate import score
+from transformer.translate import load_translator, translate_lines
 
 MODEL = "model.pt"
 

@@ -3,8 +3,8 @@
 A stage writes into `<work>/<stage>/<key>`, the key a hash of its params section and of the
 keys of the stages it reads. So two runs that differ only in `train.*` share the folders of
 download, clean, vocab and shards, and a finished stage is found again by any run needing it.
-Prefect's own cache (persisted results, keyed by that folder) skips finished tasks; the key
-is withheld while the folder is absent, so a deleted output is rebuilt, never trusted.
+Prefect's own cache (persisted results, keyed by that folder) skips finished tasks; the flow
+refreshes a task whose folder has gone, so a deleted output is rebuilt, never trusted.
 """
 
 from __future__ import annotations
@@ -75,10 +75,15 @@ def write_params(params: Params, layout: Layout) -> Path:
     return layout.params_file
 
 
-def output_key(context: TaskRunContext, inputs: dict[str, Any]) -> str | None:
-    """Prefect cache key of a stage task: its output folder, while that folder exists."""
-    out = Path(inputs["out_dir"])
-    return f"stage-{fingerprint(str(out))}" if out.exists() else None
+def output_key(context: TaskRunContext, inputs: dict[str, Any]) -> str:
+    """Prefect cache key of a stage task: its output folder (the folder's name is already a
+    hash of everything the stage depends on)."""
+    return f"stage-{fingerprint(str(Path(inputs['out_dir']).resolve()))}"
+
+
+def refresh_needed(out_dir: str | Path, refresh: bool) -> bool:
+    """Bypass Prefect's cache when asked to, or when the output it points at is gone."""
+    return refresh or not Path(out_dir).exists()
 
 
 def fresh(out_dir: str | Path, refresh: bool) -> bool:

@@ -78,8 +78,17 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
     client = _client(work)
     run = client.get_run(result["run_id"])
     metrics = run.data.metrics
-    for key in ("train/loss", "train/lr", "train/tokens_per_s", "valid/loss", "valid/ppl",
-                "valid/bleu", "test/bleu", "test/chrf", "test/bleu_tok_compound"):
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/tokens_per_s",
+        "valid/loss",
+        "valid/ppl",
+        "valid/bleu",
+        "test/bleu",
+        "test/chrf",
+        "test/bleu_tok_compound",
+    ):
         assert key in metrics, key
     assert 0.0 <= metrics["test/bleu"] <= 100.0
     assert metrics["test/bleu"] == pytest.approx(result["scores"]["test"]["bleu"])
@@ -144,8 +153,9 @@ def test_two_fresh_runs_are_bitwise_reproducible(first, tmp_path):
 def test_a_run_killed_in_training_resumes_and_completes(first, work):
     overrides = [*TINY, "train.max_steps=80"]  # new train stage, same data stages
     cmd = [sys.executable, "-m", "flows.wmt14_ende", SMOKE, *overrides, "--work-dir", str(work)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     before = set((work / "train").iterdir())
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -166,33 +176,69 @@ def test_a_run_killed_in_training_resumes_and_completes(first, work):
 
     client = _client(work)
     exp = client.get_experiment_by_name("wmt14-ende")
-    hashes = [r.data.tags["params_hash"] for r in client.search_runs(
-        [exp.experiment_id], filter_string="tags.stage = 'pipeline'")]
+    hashes = [
+        r.data.tags["params_hash"]
+        for r in client.search_runs([exp.experiment_id], filter_string="tags.stage = 'pipeline'")
+    ]
     assert len(hashes) == len(set(hashes)) == 2  # the first run, and this one, once
 
 
 def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_API_URL=api, PREFECT_HOME=str(tmp_path / "prefect"),
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env = dict(
+        os.environ,
+        PREFECT_API_URL=api,
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
     env.pop("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", None)
     prefect = str(Path(sys.executable).parent / "prefect")
     procs = []
     try:
-        procs.append(_spawn([prefect, "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env, tmp_path / "server.log"))
+        procs.append(
+            _spawn(
+                [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                env,
+                tmp_path / "server.log",
+            )
+        )
         _wait(lambda: _healthy(api), 120, "prefect server")
-        procs.append(_spawn([sys.executable, "-m", "flows.deploy", "--only", "smoke",
-                             "--work-dir", str(work)], env, tmp_path / "serve.log"))
-        _wait(lambda: subprocess.run([prefect, "deployment", "inspect", "wmt14-ende/smoke"],
-                                     env=env, capture_output=True).returncode == 0,
-              120, "the smoke deployment")
+        procs.append(
+            _spawn(
+                [sys.executable, "-m", "flows.deploy", "--only", "smoke", "--work-dir", str(work)],
+                env,
+                tmp_path / "serve.log",
+            )
+        )
+        _wait(
+            lambda: (
+                subprocess.run(
+                    [prefect, "deployment", "inspect", "wmt14-ende/smoke"],
+                    env=env,
+                    capture_output=True,
+                ).returncode
+                == 0
+            ),
+            120,
+            "the smoke deployment",
+        )
         run = subprocess.run(
-            [prefect, "deployment", "run", "wmt14-ende/smoke",
-             "--params", json.dumps({"overrides": TINY}), "--watch",
-             "--watch-timeout", "500"],
-            env=env, capture_output=True, text=True, timeout=560,
+            [
+                prefect,
+                "deployment",
+                "run",
+                "wmt14-ende/smoke",
+                "--params",
+                json.dumps({"overrides": TINY}),
+                "--watch",
+                "--watch-timeout",
+                "500",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=560,
         )
         logs = run.stdout[-2000:] + (tmp_path / "serve.log").read_text()[-3000:]
         assert run.returncode == 0, logs
@@ -207,8 +253,9 @@ def _task_runs(state) -> list:
     async def read():
         async with get_client() as client:
             return await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[
-                    state.state_details.flow_run_id]))
+                flow_run_filter=FlowRunFilter(
+                    id=FlowRunFilterId(any_=[state.state_details.flow_run_id])
+                )
             )
 
     import asyncio
@@ -223,8 +270,14 @@ def _free_port() -> int:
 
 
 def _spawn(cmd, env, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _healthy(api: str) -> bool:
