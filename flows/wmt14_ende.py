@@ -23,22 +23,28 @@ from prefect.filesystems import LocalFileSystem
 from tasks.data import clean, download, encode_shard, learn_bpe
 from tasks.evaluate import average, decode_score, publish
 from tasks.stages import plan, refresh_needed, write_params
-from tasks.tracking import client_for, experiment_id, finish_run, open_parent_run, tracking_uri
-from tasks.train import train
+from tasks.tracking import (
+    client_for,
+    experiment_id,
+    finish_run,
+    mark_failed,
+    open_parent_run,
+    tracking_uri,
+)
+from tasks.train import DONE, train
 from transformer.config import ParamsError, fingerprint, load_params, params_hash
 
 
 @task(name="open-run")
-def open_run(params_path: str, overrides: list[str], work_dir: str) -> dict:
-    """Resolve and validate the params, write them down, open (or resume) the MLflow run."""
+def open_run(params_path: str, overrides: list[str], params_file: str, work_dir: str) -> dict:
+    """Write the resolved params down and open (or resume) the MLflow run of their hash."""
     params = load_params(params_path, overrides)
-    layout = plan(params, work_dir)
-    write_params(params, layout)
-    uri = tracking_uri(params, layout.work_dir)
+    write_params(params, Path(params_file))
+    uri = tracking_uri(params, work_dir)
     client = client_for(uri)
-    exp = experiment_id(client, params.tracking.experiment, layout.work_dir)
+    exp = experiment_id(client, params.tracking, work_dir)
     name = f"{Path(params_path).stem}-{params_hash(params)[:8]}"
-    run_id = open_parent_run(client, exp, params, layout.params_file, name)
+    run_id = open_parent_run(client, exp, params, Path(params_file), name)
     return {"uri": uri, "run_id": run_id, "experiment_id": exp}
 
 
@@ -63,10 +69,10 @@ def wmt14_ende(
     # Prefect's results and cache records live with the outputs they point at.
     store = results_store(layout.work_dir)
 
-    def stage(task, out: Path):
-        return task.with_options(result_storage=store, refresh_cache=refresh_needed(out, refresh))
+    def stage(task, done: Path):
+        return task.with_options(result_storage=store, refresh_cache=refresh_needed(done, refresh))
 
-    tracking = open_run(params, overrides, str(layout.work_dir))
+    tracking = open_run(params, overrides, str(layout.params_file), str(layout.work_dir))
     try:
         p, r = str(layout.params_file), refresh
         prepared = stage(download, layout.prepare)(p, str(layout.prepare), tracking, r)
@@ -75,14 +81,15 @@ def wmt14_ende(
         shards = stage(encode_shard, layout.shards)(
             p, cleaned, vocab, str(layout.shards), tracking, r
         )
-        run_dir = stage(train, layout.train)(p, shards, str(layout.train), tracking, r)
+        # A training folder without DONE was killed: never take its cache record, resume.
+        run_dir = stage(train, layout.train / DONE)(p, shards, str(layout.train), tracking, r)
         model = stage(average, layout.average)(p, run_dir, str(layout.average), tracking, r)
         decoded = stage(decode_score, layout.decode)(
             p, model, cleaned, str(layout.decode), tracking, r
         )
         scores = publish(p, shards, model, decoded, tracking)
     except BaseException:
-        finish_run(client_for(tracking["uri"]), tracking["run_id"], ok=False)
+        mark_failed(tracking)
         raise
     finish_run(client_for(tracking["uri"]), tracking["run_id"])
     return {
@@ -111,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     result = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh)
     test = result["scores"]["test"]
     print(
-        f"\ntest BLEU {test['bleu']:.2f}  chrF {test['chrf']:.2f}  "
-        f"(tokenized+compound-split BLEU {test['bleu_tok_compound']:.2f})\n"
+        f"\ntest BLEU {test['bleu']:.2f}  lowercased {test['bleu_lc']:.2f}  "
+        f"chrF {test['chrf']:.2f}  (tokenized+compound-split BLEU "
+        f"{test['bleu_tok_compound']:.2f})\n"
         f"  {test['bleu_signature']}\n"
         f"MLflow run   {result['run_id']}\n"
         f"model        {result['model']}\n"

@@ -6,24 +6,24 @@ library function inside a nested MLflow run, and return the output folder.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import task
-from transformer.data.clean import clean_corpus
-from transformer.data.shard import encode_and_shard
-from transformer.data.sources import prepare_source
 
 from tasks.stages import fresh, output_key
 from tasks.tracking import client_for, log_metrics, stage_run
 from transformer.config import load_params
+from transformer.data.clean import clean_corpus
+from transformer.data.shard import MANIFEST, SPM_NAME, encode_and_shard, load_manifest
+from transformer.data.sources import prepare_source
 from transformer.vocab import learn_vocab
 
 STAGE = dict(cache_key_fn=output_key, persist_result=True)
 
 
-# Retries only here: the one stage that touches the network (the hub).
-@task(name="download", retries=2, retry_delay_seconds=30, **STAGE)
+# No task-level retries: the hub loader retries its own network calls, and a local path
+# that is wrong stays wrong.
+@task(name="download", **STAGE)
 def download(params_file: str, out_dir: str, tracking: dict, refresh: bool = False) -> str:
     if fresh(out_dir, refresh):
         params = load_params(params_file)
@@ -69,15 +69,15 @@ def encode_shard(
         params = load_params(params_file)
         client = client_for(tracking["uri"])
         with stage_run(client, tracking["run_id"], "encode-shard") as run_id:
-            spm_model = Path(vocab) / "spm.model"
+            spm_model = Path(vocab) / SPM_NAME
             manifest = encode_and_shard(Path(cleaned), spm_model, params.shard, Path(out_dir))
             client.set_tag(run_id, "data_fingerprint", manifest["fingerprint"])
-            client.log_artifact(run_id, str(Path(out_dir) / "manifest.json"))
+            client.log_artifact(run_id, str(Path(out_dir) / MANIFEST))
     return out_dir
 
 
 def data_fingerprint(shards: str) -> str:
-    return json.loads((Path(shards) / "manifest.json").read_text())["fingerprint"]
+    return load_manifest(Path(shards))["fingerprint"]
 
 
 def _counts(prefix: str, report: dict) -> dict[str, float]:

@@ -14,6 +14,8 @@ from tasks.stages import fresh, output_key
 from tasks.tracking import client_for, log_metrics, stage_run
 from transformer.average import export_average
 from transformer.config import load_params
+from transformer.data import atomic_dir
+from transformer.data.shard import MANIFEST, SPM_NAME
 from transformer.evaluate import score
 from transformer.translate import load_translator, translate_lines
 
@@ -28,10 +30,8 @@ def average(
         params = load_params(params_file)
         client = client_for(tracking["uri"])
         with stage_run(client, tracking["run_id"], "average") as run_id:
-            tmp = Path(out_dir + ".tmp")
-            tmp.mkdir(parents=True, exist_ok=True)
-            export_average(Path(train_dir), params.average.last_n, tmp / MODEL)
-            tmp.rename(out_dir)
+            with atomic_dir(out_dir) as tmp:
+                export_average(Path(train_dir), params.average.last_n, tmp / MODEL)
             client.log_artifact(run_id, str(Path(out_dir) / MODEL))
     return out_dir
 
@@ -52,18 +52,28 @@ def decode_score(
         with stage_run(client, tracking["run_id"], "decode-score") as run_id:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             model, sp, _ = load_translator(Path(model_dir) / MODEL, device)
-            tmp = Path(out_dir + ".tmp")
-            tmp.mkdir(parents=True, exist_ok=True)
-            scores = {}
-            for role in ("valid", "test"):
-                table = pq.read_table(Path(cleaned) / f"{role}.parquet")
-                hyps = translate_lines(model, sp, table["src"].to_pylist(), params.decode, device)
-                (tmp / f"{role}.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-                scores[role] = score(hyps, table["tgt"].to_pylist())
-            (tmp / "scores.json").write_text(json.dumps(scores, indent=2))
-            tmp.rename(out_dir)
+            with atomic_dir(out_dir) as tmp:
+                scores = {}
+                for role in ("valid", "test"):
+                    table = pq.read_table(Path(cleaned) / f"{role}.parquet")
+                    sources, refs = table["src"].to_pylist(), table["tgt"].to_pylist()
+                    hyps = translate_lines(model, sp, sources, params.decode, device)
+                    text = "".join(h + "\n" for h in hyps)
+                    (tmp / f"{role}.hyp").write_text(text, encoding="utf-8")
+                    scores[role] = _scores(hyps, refs)
+                (tmp / "scores.json").write_text(json.dumps(scores, indent=2))
             client.log_artifacts(run_id, out_dir)
     return out_dir
+
+
+def _scores(hyps: list[str], refs: list[str]) -> dict:
+    """sacreBLEU cased (the standard), lowercased (how Multi30k results are quoted), chrF,
+    and the paper's tokenized compound-split BLEU, with signatures."""
+    lower = score(hyps, refs, lowercase=True)
+    return score(hyps, refs) | {
+        "bleu_lc": lower["bleu"],
+        "bleu_lc_signature": lower["bleu_signature"],
+    }
 
 
 @task(name="publish")
@@ -77,18 +87,23 @@ def publish(params_file: str, shards: str, model_dir: str, decode_dir: str, trac
     metrics = {
         f"{role}/{name}": s[name]
         for role, s in scores.items()
-        for name in ("bleu", "chrf", "bleu_tok_compound")
+        for name in ("bleu", "bleu_lc", "chrf", "bleu_tok_compound")
     }
     log_metrics(client, run_id, metrics, step=params.train.max_steps)
     client.set_tag(run_id, "sacrebleu_signature", scores["test"]["bleu_signature"])
     client.set_tag(run_id, "chrf_signature", scores["test"]["chrf_signature"])
+    client.set_tag(run_id, "sacrebleu_lc_signature", scores["test"]["bleu_lc_signature"])
     client.set_tag(run_id, "data_fingerprint", data_fingerprint(shards))
+    # Small files every time (they say what this run used); the model, which can weigh
+    # gigabytes, once per run.
+    uploaded = {a.path for a in client.list_artifacts(run_id, "model")}
     for path, folder in (
-        (Path(shards) / "manifest.json", "data"),
-        (Path(shards) / "spm.model", "data"),
-        (Path(model_dir) / MODEL, "model"),
+        (Path(shards) / MANIFEST, "data"),
+        (Path(shards) / SPM_NAME, "data"),
         (Path(decode_dir) / "valid.hyp", "hypotheses"),
         (Path(decode_dir) / "test.hyp", "hypotheses"),
+        (Path(model_dir) / MODEL, "model"),
     ):
-        client.log_artifact(run_id, str(path), folder)
+        if f"{folder}/{path.name}" not in uploaded:
+            client.log_artifact(run_id, str(path), folder)
     return scores

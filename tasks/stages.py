@@ -9,7 +9,6 @@ refreshes a task whose folder has gone, so a deleted output is rebuilt, never tr
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 from prefect.context import TaskRunContext
 
 from transformer.config import Params, fingerprint, params_hash, to_yaml
+from transformer.data.sources import input_fingerprints
 
 
 @dataclass(frozen=True)
@@ -35,22 +35,23 @@ class Layout:
     decode: Path
 
 
+# Keys that change how a stage runs, not what it produces: kept out of its folder's name.
+OPERATIONAL = {
+    "shard": {"workers"},
+    "train": {"log_every", "timeout_minutes", "max_bad_steps"},
+}
+
+
 def plan(params: Params, work_dir: str | Path) -> Layout:
     work = Path(work_dir).resolve()
     d = params.data
-    prepare = fingerprint(
-        "prepare",
-        d.source,
-        d.splits,
-        d.src_lang,
-        d.tgt_lang,
-        d.clean.on_invalid,
-        _local_inputs(d.source.path),
-    )
+    inputs = input_fingerprints(d)  # hub revision, or each local file's sha256
+    prepare = fingerprint("prepare", d.source, d.splits, d.src_lang, d.tgt_lang,
+                          d.clean.on_invalid, inputs)  # fmt: skip
     clean = fingerprint("clean", prepare, d.clean)
     vocab = fingerprint("vocab", clean, params.vocab)
-    shards = fingerprint("shards", vocab, params.shard)
-    train = fingerprint("train", shards, params.model, params.train)
+    shards = fingerprint("shards", vocab, _identity(params, "shard"))
+    train = fingerprint("train", shards, params.model, _identity(params, "train"))
     average = fingerprint("average", train, params.average)
     decode = fingerprint("decode", average, params.decode)
     run = work / "runs" / params_hash(params)
@@ -67,12 +68,12 @@ def plan(params: Params, work_dir: str | Path) -> Layout:
     )
 
 
-def write_params(params: Params, layout: Layout) -> Path:
-    layout.params_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = layout.params_file.with_suffix(".tmp")
+def write_params(params: Params, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(to_yaml(params))
-    tmp.replace(layout.params_file)
-    return layout.params_file
+    tmp.replace(path)
+    return path
 
 
 def output_key(context: TaskRunContext, inputs: dict[str, Any]) -> str:
@@ -81,9 +82,10 @@ def output_key(context: TaskRunContext, inputs: dict[str, Any]) -> str:
     return f"stage-{fingerprint(str(Path(inputs['out_dir']).resolve()))}"
 
 
-def refresh_needed(out_dir: str | Path, refresh: bool) -> bool:
-    """Bypass Prefect's cache when asked to, or when the output it points at is gone."""
-    return refresh or not Path(out_dir).exists()
+def refresh_needed(done: str | Path, refresh: bool) -> bool:
+    """Bypass Prefect's cache when asked to, or when the output it points at is not there
+    (`done`: the output folder, or for training the marker of a finished run)."""
+    return refresh or not Path(done).exists()
 
 
 def fresh(out_dir: str | Path, refresh: bool) -> bool:
@@ -96,15 +98,5 @@ def fresh(out_dir: str | Path, refresh: bool) -> bool:
     return not out.exists()
 
 
-def _local_inputs(path: str | None) -> list:
-    """Content hashes of local source files: an edited corpus is a different input."""
-    if path is None:
-        return []
-    root = Path(path)
-    files = sorted(root.iterdir()) if root.is_dir() else [root]
-    return [(f.name, _sha256(f)) for f in files if f.is_file()]
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _identity(params: Params, section: str) -> dict:
+    return getattr(params, section).model_dump(mode="json", exclude=OPERATIONAL[section])

@@ -8,6 +8,7 @@ to the same runs.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import subprocess
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from transformer.config import Params, flatten, params_hash, to_dict
+from transformer.config import Params, TrackingConfig, flatten, params_hash, to_dict
 
 PACKAGES = ("torch", "prefect", "mlflow", "sentencepiece", "sacrebleu", "datasets", "pyarrow")
 PARAMS_HASH_TAG = "params_hash"
@@ -35,12 +36,15 @@ def client_for(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
 
 
-def experiment_id(client: MlflowClient, name: str, work_dir: str | os.PathLike) -> str:
-    exp = client.get_experiment_by_name(name)
+def experiment_id(client: MlflowClient, tracking: TrackingConfig, work_dir) -> str:
+    exp = client.get_experiment_by_name(tracking.experiment)
     if exp is not None:
         return exp.experiment_id
-    artifacts = (Path(work_dir).resolve() / "mlartifacts").as_uri()
-    return client.create_experiment(name, artifact_location=artifacts)
+    # With a local SQLite store, artifacts sit beside it in the work dir; a tracking server
+    # decides for itself where artifacts go (somewhere all its readers can reach).
+    local = tracking.uri is None or tracking.uri.startswith("sqlite:")
+    artifacts = (Path(work_dir).resolve() / "mlartifacts").as_uri() if local else None
+    return client.create_experiment(tracking.experiment, artifact_location=artifacts)
 
 
 def open_parent_run(
@@ -73,6 +77,14 @@ def finish_run(client: MlflowClient, run_id: str, ok: bool = True) -> None:
     client.set_terminated(
         run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
     )
+
+
+def mark_failed(tracking: dict) -> None:
+    """Best effort: a tracking error here must not hide the error that failed the run."""
+    try:
+        finish_run(client_for(tracking["uri"]), tracking["run_id"], ok=False)
+    except Exception as err:
+        logging.getLogger(__name__).warning("could not mark the MLflow run failed: %s", err)
 
 
 @contextmanager

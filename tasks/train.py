@@ -86,29 +86,27 @@ def launch(
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     log.info("launching: %s", " ".join(cmd))
     tail: collections.deque[str] = collections.deque(maxlen=40)
+    timed_out = threading.Event()
+    # torchrun stays in our process group, so a cancelled flow run's signal reaches it too.
     with (
-        open(Path(out_dir) / "train.log", "a") as logfile,
-        subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-        ) as proc,
-    ):
+        open(Path(out_dir) / "train.log", "a", buffering=1) as logfile,
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, bufsize=1) as proc,
+    ):  # fmt: skip
         # A timer, not a check per line: a hung rank prints nothing.
-        timed_out = threading.Event()
-        watchdog = threading.Timer(timeout_s, _stop, args=(proc, timed_out)) if timeout_s else None
-        if watchdog:
+        watchdog = threading.Timer(timeout_s or 0, _stop, args=(proc, timed_out))
+        if timeout_s:
             watchdog.start()
-        for line in proc.stdout:
-            logfile.write(line)
-            tail.append(line.rstrip())
-            log.info(line.rstrip())
-        code = proc.wait()
-        if watchdog:
+        try:
+            for line in proc.stdout:
+                logfile.write(line)
+                tail.append(line.rstrip())
+                log.info(line.rstrip())
+            code = proc.wait()
+        except BaseException:  # the task itself was interrupted: leave no trainer behind
+            _stop(proc)
+            raise
+        finally:
             watchdog.cancel()
     last = "\n".join(tail)
     if timed_out.is_set():
@@ -119,11 +117,16 @@ def launch(
         )
 
 
-def _stop(proc: subprocess.Popen, timed_out: threading.Event) -> None:
-    """SIGTERM the whole torchrun group (the trainer checkpoints on it), then SIGKILL."""
-    timed_out.set()
-    os.killpg(proc.pid, signal.SIGTERM)
+def _stop(proc: subprocess.Popen, timed_out: threading.Event | None = None) -> None:
+    """SIGTERM torchrun alone (it forwards one SIGTERM to each rank, which finishes its
+    update and checkpoints; a second signal would make the ranks stop without saving),
+    then SIGKILL if it has not exited within a minute."""
+    if proc.poll() is not None:
+        return
+    if timed_out is not None:
+        timed_out.set()
+    proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()

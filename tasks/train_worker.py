@@ -9,9 +9,8 @@ only place the two meet.
 import os
 import sys
 
-from transformer.train import main
-
 from tasks.tracking import MlflowLogger
+from transformer.train import main
 
 if __name__ == "__main__":
     rank0 = int(os.environ.get("RANK", "0")) == 0

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from transformer.config import (
     ParamsError,
@@ -40,7 +41,10 @@ def test_big_extends_base_and_states_only_the_difference():
     assert (m.d_model, m.d_ff, m.n_heads, m.dropout) == (1024, 4096, 16, 0.3)
     assert big.train.max_steps == 300_000 and big.average.last_n == 20
     assert big.train.warmup_steps == 4000  # inherited
-    assert "d_model" not in (PARAMS / "big.yaml").read_text().split("model:")[0]
+    base = flatten(to_dict(load_params(PARAMS / "base.yaml")))
+    stated = flatten(yaml.safe_load((PARAMS / "big.yaml").read_text()))
+    stated.pop("extends")
+    assert stated and all(base[k] != v for k, v in stated.items()), "restates a base value"
 
 
 def test_smoke_is_tiny_and_local():

@@ -223,26 +223,20 @@ def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
             120,
             "the smoke deployment",
         )
+        # Greedy decoding: the served run takes data and training of `first` from Prefect's
+        # cache, and really runs decoding and scoring.
+        decoded = set((work / "decode").iterdir())
+        params = json.dumps({"overrides": [*TINY, "decode.beam_size=1"]})
         run = subprocess.run(
-            [
-                prefect,
-                "deployment",
-                "run",
-                "wmt14-ende/smoke",
-                "--params",
-                json.dumps({"overrides": TINY}),
-                "--watch",
-                "--watch-timeout",
-                "500",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=560,
-        )
+            [prefect, "deployment", "run", "wmt14-ende/smoke", "--params", params,
+             "--watch", "--watch-timeout", "500"],
+            env=env, capture_output=True, text=True, timeout=560,
+        )  # fmt: skip
         logs = run.stdout[-2000:] + (tmp_path / "serve.log").read_text()[-3000:]
         assert run.returncode == 0, logs
         assert "Completed" in run.stdout, logs
+        new = set((work / "decode").iterdir()) - decoded
+        assert len(new) == 1 and (new.pop() / "scores.json").exists(), logs
     finally:
         for p in reversed(procs):
             os.killpg(p.pid, signal.SIGTERM)

@@ -360,3 +360,22 @@ def test_sigterm_finishes_the_update_saves_and_exits_143(
     done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert_same_training(straight, final_state(out))
+
+
+def test_a_rank_orphaned_by_a_killed_torchrun_saves_and_exits(tiny_params, tiny_shards, tmp_path):
+    """torchrun puts each rank in a session of its own: SIGKILL torchrun alone, and the rank
+    must not train on beside a rerun; it gets SIGTERM, saves, and releases the run folder."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "1", "-m", "transformer.train", *cli(tiny_params, tiny_shards, out, *KILL_PARAMS)[3:],
+           "train.max_steps=100000"]  # fmt: skip
+    proc = _start_and_wait(cmd, out / "checkpoints" / "step-0000005.pt")
+    proc.kill()  # torchrun only: the rank is in another session
+    proc.wait()
+    rerun = subprocess.run(  # takes the lock only once the orphan has saved and exited
+        cli(tiny_params, tiny_shards, out, *KILL_PARAMS[1:], "train.max_steps=1"),
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr
+    assert 5 <= final_state(out)["step"] < 100000  # the orphan stopped, and saved
+    assert "nothing to do" in rerun.stderr + rerun.stdout

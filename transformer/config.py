@@ -48,7 +48,8 @@ class SourceConfig(Section):
         if (self.hub is None) == (self.path is None):
             raise ValueError("give exactly one of 'hub' (with config, revision) or 'path'")
         if self.hub is not None and (self.config is None or self.revision is None):
-            raise ValueError("revision: a hub source needs 'config' and a pinned 'revision'")
+            missing = "config" if self.config is None else "revision"
+            raise ValueError(f"{missing}: a hub source needs 'config' and a pinned 'revision'")
         return self
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import fcntl
 import logging
 import math
 import os
@@ -28,6 +30,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,7 +181,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsLogger | None):
-    prepare_run_dir(args.out, args.reset, env)
+    die_with_parent()
+    with prepare_run_dir(args.out, args.reset, env):
+        return _run(params, args, env, logger)
+
+
+def _run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsLogger | None):
     t = build(params, env, args.data, args.out)
     resume(t, args.allow_param_change)
     copy_vocab(t)
@@ -204,14 +212,42 @@ def run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsL
 # --------------------------------------------------------------------------- setup
 
 
-def prepare_run_dir(run_dir: Path, reset: bool, env: DistEnv) -> None:
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if reset:
-            shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
-            log.info("--reset: deleted the checkpoints of %s", run_dir)
-        ckpt.remove_partial_writes(run_dir)
-    barrier()
+@contextlib.contextmanager
+def prepare_run_dir(run_dir: Path, reset: bool, env: DistEnv) -> Iterator[None]:
+    """Rank 0 holds the run folder's lock for the whole run: one trainer per folder (a rerun
+    that races a dying predecessor waits for it to save and exit)."""
+    with contextlib.ExitStack() as held:
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            held.enter_context(_lock(run_dir / ".lock"))
+            if reset:
+                shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
+                log.info("--reset: deleted the checkpoints of %s", run_dir)
+            ckpt.remove_partial_writes(run_dir)
+        barrier()
+        yield
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("another trainer is running in %s: waiting for it", path.parent)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when the process dies
+
+
+def die_with_parent() -> None:
+    """torchrun starts every rank in a session of its own, so a SIGKILL of torchrun (or of
+    the pipeline around it) would leave the ranks training on, orphaned, beside a rerun.
+    Linux can send a SIGTERM when the parent dies: the rank then saves and exits."""
+    if sys.platform == "linux" and "TORCHELASTIC_RUN_ID" in os.environ:
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before the request: act on it now
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def copy_vocab(t: Trainer) -> None:
