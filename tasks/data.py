@@ -11,8 +11,7 @@ from pathlib import Path
 from prefect import task
 
 from tasks.stages import fresh, output_key
-from tasks.tracking import client_for, log_metrics, stage_run
-from transformer.config import load_params
+from tasks.tracking import executing, log_metrics
 from transformer.data.clean import clean_corpus
 from transformer.data.shard import MANIFEST, SPM_NAME, encode_and_shard, load_manifest
 from transformer.data.sources import prepare_source
@@ -26,9 +25,7 @@ STAGE = dict(cache_key_fn=output_key, persist_result=True)
 @task(name="download", **STAGE)
 def download(params_file: str, out_dir: str, tracking: dict, refresh: bool = False) -> str:
     if fresh(out_dir, refresh):
-        params = load_params(params_file)
-        client = client_for(tracking["uri"])
-        with stage_run(client, tracking["run_id"], "download") as run_id:
+        with executing("download", params_file, tracking) as (params, client, run_id):
             report = prepare_source(params.data, Path(out_dir))
             log_metrics(client, run_id, _counts("rows", report.get("counts", {})))
     return out_dir
@@ -39,9 +36,7 @@ def clean(
     params_file: str, prepared: str, out_dir: str, tracking: dict, refresh: bool = False
 ) -> str:
     if fresh(out_dir, refresh):
-        params = load_params(params_file)
-        client = client_for(tracking["uri"])
-        with stage_run(client, tracking["run_id"], "clean") as run_id:
+        with executing("clean", params_file, tracking) as (params, client, run_id):
             report = clean_corpus(Path(prepared), params.data.clean, Path(out_dir))
             log_metrics(client, run_id, _counts("clean", report))
             client.log_artifact(run_id, str(Path(out_dir) / "clean.json"))
@@ -53,9 +48,7 @@ def learn_bpe(
     params_file: str, cleaned: str, out_dir: str, tracking: dict, refresh: bool = False
 ) -> str:
     if fresh(out_dir, refresh):
-        params = load_params(params_file)
-        client = client_for(tracking["uri"])
-        with stage_run(client, tracking["run_id"], "learn-bpe") as run_id:
+        with executing("learn-bpe", params_file, tracking) as (params, client, run_id):
             model = learn_vocab(Path(cleaned) / "train.parquet", params.vocab, Path(out_dir))
             client.log_artifact(run_id, str(model))
     return out_dir
@@ -66,9 +59,7 @@ def encode_shard(
     params_file: str, cleaned: str, vocab: str, out_dir: str, tracking: dict, refresh: bool = False
 ) -> str:
     if fresh(out_dir, refresh):
-        params = load_params(params_file)
-        client = client_for(tracking["uri"])
-        with stage_run(client, tracking["run_id"], "encode-shard") as run_id:
+        with executing("encode-shard", params_file, tracking) as (params, client, run_id):
             spm_model = Path(vocab) / SPM_NAME
             manifest = encode_and_shard(Path(cleaned), spm_model, params.shard, Path(out_dir))
             client.set_tag(run_id, "data_fingerprint", manifest["fingerprint"])

@@ -11,7 +11,7 @@ from prefect import task
 
 from tasks.data import data_fingerprint
 from tasks.stages import fresh, output_key
-from tasks.tracking import client_for, log_metrics, stage_run
+from tasks.tracking import client_for, executing, log_metrics
 from transformer.average import export_average
 from transformer.config import load_params
 from transformer.data import atomic_dir
@@ -27,9 +27,7 @@ def average(
     params_file: str, train_dir: str, out_dir: str, tracking: dict, refresh: bool = False
 ) -> str:
     if fresh(out_dir, refresh):
-        params = load_params(params_file)
-        client = client_for(tracking["uri"])
-        with stage_run(client, tracking["run_id"], "average") as run_id:
+        with executing("average", params_file, tracking) as (params, client, run_id):
             with atomic_dir(out_dir) as tmp:
                 export_average(Path(train_dir), params.average.last_n, tmp / MODEL)
             client.log_artifact(run_id, str(Path(out_dir) / MODEL))
@@ -47,9 +45,7 @@ def decode_score(
 ) -> str:
     """Translate valid and test with beam search; BLEU/chrF against the raw references."""
     if fresh(out_dir, refresh):
-        params = load_params(params_file)
-        client = client_for(tracking["uri"])
-        with stage_run(client, tracking["run_id"], "decode-score") as run_id:
+        with executing("decode-score", params_file, tracking) as (params, client, run_id):
             device = "cuda" if torch.cuda.is_available() else "cpu"
             model, sp, _ = load_translator(Path(model_dir) / MODEL, device)
             with atomic_dir(out_dir) as tmp:

@@ -19,7 +19,14 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from transformer.config import Params, TrackingConfig, flatten, params_hash, to_dict
+from transformer.config import (
+    Params,
+    TrackingConfig,
+    flatten,
+    load_params,
+    params_hash,
+    to_dict,
+)
 
 PACKAGES = ("torch", "prefect", "mlflow", "sentencepiece", "sacrebleu", "datasets", "pyarrow")
 PARAMS_HASH_TAG = "params_hash"
@@ -104,6 +111,14 @@ def stage_run(client: MlflowClient, parent_id: str, stage: str) -> Iterator[str]
         raise
     client.log_metric(run.info.run_id, "stage_seconds", time.time() - start)
     finish_run(client, run.info.run_id)
+
+
+@contextmanager
+def executing(stage: str, params_file: str, tracking: dict) -> Iterator[tuple]:
+    """What a stage task works in: its params, an MLflow client, and its nested run."""
+    client = client_for(tracking["uri"])
+    with stage_run(client, tracking["run_id"], stage) as run_id:
+        yield load_params(params_file), client, run_id
 
 
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int = 0):

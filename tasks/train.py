@@ -21,8 +21,7 @@ from prefect import get_run_logger, task
 
 from tasks.report import plot_training_curve
 from tasks.stages import fresh, output_key
-from tasks.tracking import client_for, stage_run
-from transformer.config import load_params
+from tasks.tracking import executing
 
 DONE = "DONE"  # written when torchrun exits 0: the run folder holds a finished training
 
@@ -36,9 +35,7 @@ def train(
     params_file: str, shards: str, out_dir: str, tracking: dict, refresh: bool = False
 ) -> str:
     if fresh(out_dir, refresh) or not (Path(out_dir) / DONE).exists():
-        params = load_params(params_file)
-        client = client_for(tracking["uri"])
-        with stage_run(client, tracking["run_id"], "train") as run_id:
+        with executing("train", params_file, tracking) as (params, client, run_id):
             monitor = SystemMetricsMonitor(
                 run_id, sampling_interval=5, tracking_uri=tracking["uri"]
             )
