@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from transformer.config import ShardConfig, VocabConfig
 from transformer.data.shard import encode_and_shard
@@ -102,3 +103,13 @@ def tiny_params(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_params") / "tiny.yaml"
     path.write_text(textwrap.dedent(TINY_PARAMS))
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy shared machine their
+    spin-waits make these tests ten times slower. Modules opt in with `usefixtures`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,14 +16,8 @@ PARAMS = Path(__file__).resolve().parents[1] / "params"
 V = 50
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy shared machine the
-    threads' spin-waits make these tests ten times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models gain nothing from threads (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(**overrides) -> Transformer:

@@ -17,13 +17,8 @@ from transformer.vocab import BOS, EOS, PAD, UNK
 A, B = 4, 5  # two ordinary tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, which only wait on each other on busy CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models gain nothing from threads (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class StubCache:

@@ -40,12 +40,8 @@ class ListLogger:
         return {k for _, m in self.records for k in m}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models gain nothing from threads (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train(params: Path, shards: Path, out: Path, *extra: str, logger=None) -> int:

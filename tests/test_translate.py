@@ -33,13 +33,8 @@ LINES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, which only wait on each other on busy CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models gain nothing from threads (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_spm() -> bytes:
@@ -109,7 +104,7 @@ def test_command_line_reads_stdin_and_writes_stdout(model_file):
         input=b"a house\n\nthe cat\n",
         capture_output=True,
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},  # see one_thread()
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # see conftest.one_thread()
         timeout=120,
     )
     assert out.returncode == 0, out.stderr.decode()
