@@ -1,10 +1,12 @@
 """Decoding speed: sentences/s and target tokens/s of beam search with the params' decode
 section (the paper's beam 4, alpha 0.6, input length + 50) against its peers in the same
-run: greedy search, and beam search without the key/value cache (the decoder re-run over
-the whole prefix every step).
+run: greedy search, beam search without the key/value cache (the decoder re-run over the
+whole prefix every step), and CTranslate2's beam and greedy search on the same weights
+(exported with transformer.export), inputs, batches, beam size and number of threads.
 
     python benchmarks/decode.py                                  # smoke model, CPU
     python benchmarks/decode.py --configs smoke,base,big --device cuda
+    python benchmarks/decode.py --model model.pt --threads 1     # a trained model
 
 Models have random weights (speed does not depend on them), sources are random token ids
 with WMT-like lengths (lognormal, mean ~27 subwords, tail clipped at 250), batched as
@@ -12,13 +14,26 @@ with WMT-like lengths (lognormal, mean ~27 subwords, tail clipped at 250), batch
 would end every output at once or never; instead each output ends where its source does
 (EOS is made near-certain there and impossible before), so target lengths are realistic
 (EN-DE subword counts are close) and the report gives their mean. On CUDA the search runs
-in bf16 autocast.
+in bf16 autocast (CTranslate2: compute type bfloat16).
+
+With --model, a trained model file decodes the first --sentences lines of --input, and
+its outputs end where the model ends them; the report also counts the CTranslate2 outputs
+that equal ours.
+
+CTranslate2 limits lengths per batch, not per sentence: it may decode
+int(max_len_a * longest source + max_len_b) + 1 steps, as many as ours for the batch's
+longest source. With random weights it cannot be made to end each output where its source
+does, so each batch's sources are lengthened to its longest (random tokens where padding
+was: the same batches, the same encoder work) and CTranslate2 decodes exactly that many
+tokens (min = max decoding length): every output of both ends at the same step.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +42,7 @@ import torch
 from transformer.config import DecodeConfig, load_params
 from transformer.model import Transformer
 from transformer.search import beam_search, greedy_search
-from transformer.translate import batch_by_tokens, pad_batch
+from transformer.translate import batch_by_tokens, load_translator, pad_batch
 from transformer.vocab import EOS, PAD
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +59,9 @@ class EndsWithSource:
         logits = self.model.decode(tgt_in, memory, src_padding, cache).float()  # (B, T, V)
         end = tgt_in.size(1) if cache is None else cache.length  # positions so far
         made = torch.arange(end - tgt_in.size(1), end, device=logits.device)  # tokens before
-        wanted = (~src_padding).sum(1, keepdim=True) - 1  # (B, 1): source subwords
+        wanted = (~src_padding).sum(1) - 1  # (B',): source subwords
+        # Each source row serves B / B' consecutive target rows (beam search's hypotheses).
+        wanted = wanted.repeat_interleave(tgt_in.size(0) // wanted.size(0)).unsqueeze(1)
         logits[..., EOS] = torch.where(made >= wanted, 30.0, -30.0)  # (B, T)
         return logits
 
@@ -57,11 +74,24 @@ def wmt_like_sources(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[*torch.randint(4, vocab, (m - 1,), generator=g).tolist(), EOS] for m in lengths]
 
 
-def run(model, sources, cfg: DecodeConfig, mode: str, device: str) -> tuple[float, int]:
-    """Seconds and target tokens (EOS included) to decode all sources in `mode`."""
+def even_batches(sources: list[list[int]], max_tokens: int, vocab: int, seed: int):
+    """Each batch's sources lengthened to its longest with random tokens before EOS: the
+    batches stay the same, and the outputs of a batch end together (see the docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    out = list(sources)
+    for batch in batch_by_tokens(sources, max_tokens):
+        longest = len(sources[batch[0]])
+        for j in batch:
+            extra = torch.randint(4, vocab, (longest - len(sources[j]),), generator=g).tolist()
+            out[j] = [*sources[j][:-1], *extra, EOS]
+    return out
+
+
+def run(model, sources, cfg: DecodeConfig, mode: str, device: str):
+    """Seconds, target tokens (EOS included) and the outputs, to decode all sources."""
     if device == "cuda":
         torch.cuda.synchronize()
-    start, tokens = time.perf_counter(), 0
+    start, tokens, outputs = time.perf_counter(), 0, [[] for _ in sources]
     for batch in batch_by_tokens(sources, cfg.max_tokens):
         src = pad_batch([sources[j] for j in batch], device)
         if mode == "greedy":
@@ -73,40 +103,135 @@ def run(model, sources, cfg: DecodeConfig, mode: str, device: str) -> tuple[floa
             )  # fmt: skip
             outs = [h[0].tokens for h in hyps]
         tokens += sum(len(o) + 1 for o in outs)
+        for j, out in zip(batch, outs, strict=True):
+            outputs[j] = out
     if device == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, tokens, outputs
 
 
-MODES = ("beam", "greedy", "beam-uncached")
+def ctranslate2_translator(model: Transformer, pieces: list[str], device: str):
+    """A ctranslate2.Translator of the same weights, with as many threads as torch."""
+    import ctranslate2
+
+    from transformer.export import write_ctranslate2
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_ctranslate2(model, pieces, Path(tmp))
+        return ctranslate2.Translator(
+            tmp,
+            device=device,
+            compute_type="bfloat16" if device == "cuda" else "float32",
+            intra_threads=torch.get_num_threads(),
+        )
+
+
+def run_ctranslate2(translator, sources, pieces, cfg: DecodeConfig, mode: str, fixed: bool):
+    """As `run`, with CTranslate2; `fixed`: each output is as long as its batch's sources."""
+    start, tokens, outputs = time.perf_counter(), 0, [[] for _ in sources]
+    ids = {piece: i for i, piece in enumerate(pieces)}
+    for batch in batch_by_tokens(sources, cfg.max_tokens):
+        longest = len(sources[batch[0]])
+        steps = int(cfg.max_len_a * longest + cfg.max_len_b) + 1  # tokens, EOS included
+        lengths = {"min_decoding_length": longest} if fixed else {}
+        results = translator.translate_batch(
+            [[pieces[i] for i in sources[j][:-1]] for j in batch],  # the model appends EOS
+            beam_size=cfg.beam_size if mode == "ct2-beam" else 1,
+            length_penalty=cfg.len_penalty,
+            max_decoding_length=longest if fixed else steps,
+            return_end_token=True,
+            **lengths,
+        )
+        for j, result in zip(batch, results, strict=True):
+            out = [ids[piece] for piece in result.hypotheses[0]]
+            tokens += len(out)
+            outputs[j] = out[:-1] if out[-1:] == [EOS] else out
+    return time.perf_counter() - start, tokens, outputs
+
+
+MODES = ("beam", "greedy", "beam-uncached", "ct2-beam", "ct2-greedy")
+DIFFERENCES = """\
+ct2-*: CTranslate2. Its length penalty divides by len^alpha (len without EOS), ours by GNMT's
+  ((5 + len) / 6)^alpha (len with EOS); its beam search ends a sentence once beam_size
+  hypotheses finished, ours once none can still beat the best finished one."""
 
 
 def bench_config(name: str, args: argparse.Namespace) -> None:
+    """A random-weight model of params/<name>.yaml on WMT-like random sources."""
     params = load_params(ROOT / "params" / f"{name}.yaml")
     torch.manual_seed(0)
     model = Transformer(params.model, params.vocab.size, pad_id=PAD).to(args.device).eval()
-    model = EndsWithSource(model)
     sources = wmt_like_sources(args.sentences, params.vocab.size, seed=0)
-    src_len = sum(map(len, sources)) / len(sources)
-    cfg = params.decode
+    cfg = decode_config(params, args)
+    if any(m.startswith("ct2") for m in args.modes.split(",")):
+        sources = even_batches(sources, cfg.max_tokens, params.vocab.size, seed=1)
+    # CTranslate2 takes token strings: the special ones by name, made-up ones for the rest.
+    pieces = ["<pad>", "<unk>", "<s>", "</s>", *(f"w{i}" for i in range(4, params.vocab.size))]
+    bench(name, model, sources, pieces, cfg, args, random_weights=True)
+
+
+def bench_model(path: Path, args: argparse.Namespace) -> None:
+    """A trained model file on the first --sentences lines of --input."""
+    from transformer.export import vocabulary
+
+    model, sp, params = load_translator(path, args.device)
+    lines = [line for line in Path(args.input).read_text().splitlines() if line.strip()]
+    sources = sp.encode(lines[: args.sentences], add_eos=True)
+    cfg = decode_config(params, args)
+    bench(path.name, model, sources, vocabulary(sp), cfg, args, random_weights=False)
+
+
+def decode_config(params, args: argparse.Namespace) -> DecodeConfig:
     if args.max_tokens:
-        cfg = cfg.model_copy(update={"max_tokens": args.max_tokens})
+        return params.decode.model_copy(update={"max_tokens": args.max_tokens})
+    return params.decode
+
+
+def bench(name, model: Transformer, sources, pieces, cfg, args, random_weights: bool) -> None:
+    """Decode `sources` in each of --modes and print a row each, then ours against CTranslate2."""
+    src_len = sum(map(len, sources)) / len(sources)
     precision = "bf16" if args.device == "cuda" else "fp32"
     print(
-        f"\n{name}: {sum(p.numel() for p in model.model.parameters()) / 1e6:.1f}M parameters, "
+        f"\n{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"{len(sources)} sentences, mean source length {src_len:.1f} (max {max(map(len, sources))})"
         f", {cfg.max_tokens} source tokens per batch, {args.device} {precision}"
     )
     print(f"decode: beam size {cfg.beam_size}, alpha {cfg.len_penalty}, max length "
           f"{cfg.max_len_a} * source + {cfg.max_len_b}")  # fmt: skip
     print(f"{'mode':<16}{'seconds':>9}{'sent/s':>9}{'tok/s':>10}{'mean len':>10}")
-    for mode in args.modes.split(","):
-        run(model, sources[:16], cfg, mode, args.device)  # warm-up
-        seconds, tokens = run(model, sources, cfg, mode, args.device)
+    modes = args.modes.split(",")
+    searcher = EndsWithSource(model) if random_weights else model
+    if any(m.startswith("ct2") for m in modes):
+        translator = ctranslate2_translator(model, pieces, args.device)
+    results = {}
+    for mode in modes:
+        if mode.startswith("ct2"):
+            go = lambda s, m=mode: run_ctranslate2(translator, s, pieces, cfg, m, random_weights)
+        else:
+            go = lambda s, m=mode: run(searcher, s, cfg, m, args.device)
+        go(sources[:16])  # warm-up
+        seconds, tokens, outputs = go(sources)
+        results[mode] = (seconds, outputs)
         print(
             f"{mode:<16}{seconds:>9.2f}{len(sources) / seconds:>9.1f}{tokens / seconds:>10.0f}"
             f"{tokens / len(sources):>10.1f}"
         )
+    compare(results, len(sources), random_weights)
+
+
+def compare(results: dict, n: int, random_weights: bool) -> None:
+    """Ours against CTranslate2, mode by mode: speed, and (trained model) equal outputs."""
+    pairs = [(m, f"ct2-{m}") for m in ("beam", "greedy") if {m, f"ct2-{m}"} <= results.keys()]
+    for ours, theirs in pairs:
+        (ours_s, ours_out), (theirs_s, theirs_out) = results[ours], results[theirs]
+        line = f"ours / ctranslate2 sent/s, {ours}: {theirs_s / ours_s:.2f}"
+        if not random_weights:
+            line += f"; outputs equal to ours: {sum(map(list.__eq__, ours_out, theirs_out))}/{n}"
+        print(line)
+    if any(m.startswith("ct2") for m in results):
+        print(DIFFERENCES)
+        if random_weights:
+            print("  Random weights: every output of both ends at its (evened) source's length.")
 
 
 def main() -> None:
@@ -117,6 +242,8 @@ def main() -> None:
         default="smoke,base,big" if cuda else "smoke",
         help="params/<name>.yaml model sections, comma-separated",
     )
+    p.add_argument("--model", type=Path, help="a trained model file instead of --configs")
+    p.add_argument("--input", default=ROOT / "data/smoke/test.en", help="sentences for --model")
     p.add_argument("--sentences", type=int, default=1000)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if cuda else "cpu")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
@@ -130,9 +257,14 @@ def main() -> None:
     args = p.parse_args()
     if unknown := set(args.modes.split(",")) - set(MODES):
         p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    if "ct2" in args.modes and importlib.util.find_spec("ctranslate2") is None:
+        p.error("the ct2-* modes need ctranslate2 (pip install 'ctranslate2>=4,<5'); see --modes")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    if args.model:
+        bench_model(args.model, args)
+        return
     for name in args.configs.split(","):
         bench_config(name, args)
 

@@ -11,7 +11,6 @@ prefect.yaml is the one declaration of names, parameters and schedules; with a w
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import yaml
@@ -19,6 +18,7 @@ from prefect import serve
 from prefect.schedules import Cron
 
 from flows.wmt14_ende import wmt14_ende
+from transformer.cli import ArgumentParser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def deployments(work_dir: str, names: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     names = list(declared())
-    parser = argparse.ArgumentParser(description="Serve the wmt14-ende deployments.")
+    parser = ArgumentParser(description="Serve the wmt14-ende deployments.")
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
     parser.add_argument("--only", nargs="+", default=names, choices=names)
     args = parser.parse_args(argv)

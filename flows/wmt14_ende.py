@@ -1,108 +1,133 @@
-"""The `wmt14-ende` flow: download -> clean -> learn BPE -> encode + shard -> train (torchrun)
--> average -> decode + score, every stage tracked in MLflow.
+"""The `wmt14-ende` flow: the stage table of tasks/stages.py, run in order,
+download -> clean -> learn BPE -> encode + shard -> train (torchrun) -> average -> decode +
+score, every stage tracked in MLflow, then the results published.
 
     python -m flows.wmt14_ende params/smoke.yaml [dotted.key=value ...] [--work-dir DIR]
 
 runs it with no server (Prefect's temporary local API) and prints where the results are.
+Exit codes: 0 done; 2 a user error (params, data, files, disk, a work dir in use), in one
+line; 1 a bug, with its traceback; 128 + N after signal N (training saved first).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # The temporary local API gets 20 s to start by default: too little on a busy 2-core box.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The library's own log lines (pairs read, filtered, vocabulary, shards) go to the run's log.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "transformer")
+
+import logging
 
 from prefect import flow, task
-from prefect.filesystems import LocalFileSystem
+from prefect.cache_policies import NO_CACHE
 
-from tasks.data import clean, download, encode_shard, learn_bpe
-from tasks.evaluate import average, decode_score, publish
-from tasks.stages import plan, refresh_needed, write_params
-from tasks.tracking import (
-    client_for,
-    experiment_id,
-    finish_run,
-    mark_failed,
-    open_parent_run,
-    tracking_uri,
-)
-from tasks.train import DONE, train
-from transformer.config import ParamsError, fingerprint, load_params, params_hash
+from tasks.publish import publish, summary_lines
+from tasks.runner import USER_ERROR, run_stage, user_failure
+from tasks.settings import experiment_name, load_run_params, tracking_uri
+from tasks.stages import STAGES
+from tasks.tracking import client_for, experiment_id, finish_run, mark_failed, open_parent_run
+from transformer.cli import ArgumentParser
+from transformer.config import ParamsError, params_hash, to_yaml
+from transformer.files import PARAMS, atomic_write
+
+logging.getLogger("transformer").setLevel(logging.INFO)
 
 
-@task(name="open-run")
-def open_run(params_path: str, overrides: list[str], params_file: str, work_dir: str) -> dict:
+@task(name="open-run", persist_result=False, cache_policy=NO_CACHE)
+def open_run(params_path: str, overrides: list[str], work_dir: str):
     """Write the resolved params down and open (or resume) the MLflow run of their hash."""
-    params = load_params(params_path, overrides)
-    write_params(params, Path(params_file))
-    uri = tracking_uri(params, work_dir)
-    client = client_for(uri)
-    exp = experiment_id(client, params.tracking, work_dir)
-    name = f"{Path(params_path).stem}-{params_hash(params)[:8]}"
-    run_id = open_parent_run(client, exp, params, Path(params_file), name)
-    return {"uri": uri, "run_id": run_id, "experiment_id": exp}
+    try:
+        params = load_run_params(params_path, overrides)
+        work = Path(work_dir)
+        text = to_yaml(params)
+        params_file = atomic_write(work / "runs" / params_hash(params) / PARAMS, text)
+        uri = tracking_uri(params, work)
+        with locked(work / ".mlflow.lock"):  # two new flows must not both create the store
+            client = client_for(uri)
+            exp = experiment_id(client, experiment_name(params), uri, work)
+            name = f"{Path(params_path).stem}-{params_hash(params)[:8]}"
+            run_id = open_parent_run(client, exp, params, params_file, name)
+    except Exception as err:
+        return user_failure("open-run", err)
+    return {
+        "params_file": str(params_file),
+        "work_dir": str(work),
+        "uri": uri,
+        "run_id": run_id,
+        "experiment_id": exp,
+        "registered_model": params.pipeline.registered_model
+        or f"{experiment_name(params)}-{Path(params_path).stem}",
+    }
 
 
-def results_store(work_dir: Path) -> LocalFileSystem:
-    """Prefect needs result storage as a saved block; one per work dir, named after it."""
-    store = LocalFileSystem(basepath=str(work_dir / "prefect-results"))
-    store.save(f"wmt14-results-{fingerprint(str(work_dir))}", overwrite=True)
-    return store
-
-
-@flow(name="wmt14-ende", log_prints=True)
+@flow(name="wmt14-ende", log_prints=True, persist_result=False)
 def wmt14_ende(
     params: str = "params/smoke.yaml",
     overrides: list[str] | None = None,
     work_dir: str = "work",
     refresh: bool = False,
-) -> dict:
+):
     """The whole pipeline for one params file. `refresh` recomputes every stage (scheduled
     retraining); otherwise finished stages are reused, and a killed training resumes."""
     overrides = list(overrides or [])
-    layout = plan(load_params(params, overrides), work_dir)
-    # Prefect's results and cache records live with the outputs they point at.
-    store = results_store(layout.work_dir)
-
-    def stage(task, done: Path):
-        return task.with_options(result_storage=store, refresh_cache=refresh_needed(done, refresh))
-
-    tracking = open_run(params, overrides, str(layout.params_file), str(layout.work_dir))
     try:
-        p, r = str(layout.params_file), refresh
-        prepared = stage(download, layout.prepare)(p, str(layout.prepare), tracking, r)
-        cleaned = stage(clean, layout.clean)(p, prepared, str(layout.clean), tracking, r)
-        vocab = stage(learn_bpe, layout.vocab)(p, cleaned, str(layout.vocab), tracking, r)
-        shards = stage(encode_shard, layout.shards)(
-            p, cleaned, vocab, str(layout.shards), tracking, r
-        )
-        # A training folder without DONE was killed: never take its cache record, resume.
-        run_dir = stage(train, layout.train / DONE)(p, shards, str(layout.train), tracking, r)
-        model = stage(average, layout.average)(p, run_dir, str(layout.average), tracking, r)
-        decoded = stage(decode_score, layout.decode)(
-            p, model, cleaned, str(layout.decode), tracking, r
-        )
-        scores = publish(p, shards, model, decoded, tracking)
+        resolved = load_run_params(params, overrides)
+        work = Path(work_dir).resolve()
+        # One flow per params in a work dir: a second one waits, then finds the stages done.
+        with locked(work / "runs" / f".{params_hash(resolved)}.lock"):
+            return run_stages(params, overrides, work, refresh)
+    except Exception as err:
+        return user_failure("wmt14-ende", err)
+
+
+def run_stages(params: str, overrides: list[str], work: Path, refresh: bool):
+    opened = open_run(params, overrides, str(work), return_state=True)
+    if opened.name == USER_ERROR:
+        return opened
+    run = opened.result()
+    records: dict[str, dict] = {}
+    try:
+        for stage in STAGES:  # the DAG, in order: tasks/stages.py
+            upstream = {name: records[name] for name in stage.inputs}
+            state = run_stage.with_options(name=stage.name)(
+                stage.name, run, upstream, refresh, return_state=True
+            )
+            if state.name == USER_ERROR:
+                mark_failed(run)
+                return state
+            records[stage.name] = state.result()
+        summary = publish(run, records)
     except BaseException:
-        mark_failed(tracking)
+        mark_failed(run)
         raise
-    finish_run(client_for(tracking["uri"]), tracking["run_id"])
-    return {
-        "run_id": tracking["run_id"],
-        "tracking_uri": tracking["uri"],
-        "model": str(Path(model) / "model.pt"),
-        "hypotheses": str(Path(decoded) / "test.hyp"),
-        "scores": scores,
-    }
+    finish_run(client_for(run["uri"]), run["run_id"])
+    return summary
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` for the block; wait (saying so) if another flow holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another flow, which holds {path}", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("params", help="params file, e.g. params/smoke.yaml")
@@ -111,22 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refresh", action="store_true", help="recompute every stage")
     args = parser.parse_args(argv)
     try:  # fail fast, before Prefect starts, with the one-line params error
-        load_params(args.params, args.overrides)
+        load_run_params(args.params, args.overrides)
     except ParamsError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {err}".replace("\n", "; "), file=sys.stderr)
         return 2
-    result = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh)
-    test = result["scores"]["test"]
-    print(
-        f"\ntest BLEU {test['bleu']:.2f}  lowercased {test['bleu_lc']:.2f}  "
-        f"chrF {test['chrf']:.2f}  (tokenized+compound-split BLEU "
-        f"{test['bleu_tok_compound']:.2f})\n"
-        f"  {test['bleu_signature']}\n"
-        f"MLflow run   {result['run_id']}\n"
-        f"model        {result['model']}\n"
-        f"hypotheses   {result['hypotheses']}\n"
-        f"browse runs  mlflow ui --backend-store-uri {result['tracking_uri']}"
-    )
+    state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,
+                       return_state=True)  # fmt: skip
+    if state.name == USER_ERROR:
+        print(f"error: {state.message}", file=sys.stderr)
+        return 2
+    print("\n" + "\n".join(summary_lines(state.result())))  # a bug raises here, traced
     return 0
 
 

@@ -10,6 +10,8 @@ matplotlib.use("Agg")  # no display on servers and CI
 import matplotlib.pyplot as plt
 from mlflow.tracking import MlflowClient
 
+from transformer.cli import ArgumentParser
+
 PANELS = (
     ("loss", ("train/loss", "valid/loss")),
     ("learning rate", ("train/lr",)),
@@ -52,9 +54,8 @@ def plot_training_curve(client: MlflowClient, run_id: str, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m tasks.report RUN_ID --tracking-uri URI --out curve.png"""
-    import argparse
 
-    parser = argparse.ArgumentParser(description="Draw a run's learning curves from MLflow.")
+    parser = ArgumentParser(description="Draw a run's learning curves from MLflow.")
     parser.add_argument("run_id")
     parser.add_argument("--tracking-uri", default="sqlite:///work/mlflow.db")
     parser.add_argument("--out", type=Path, default=Path("curve.png"))

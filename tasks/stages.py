@@ -1,102 +1,120 @@
-"""Where each stage's output lives, and when Prefect may reuse it.
+"""The pipeline's stages, declared once: the table below is the DAG.
 
-A stage writes into `<work>/<stage>/<key>`, the key a hash of its params section and of the
-keys of the stages it reads. So two runs that differ only in `train.*` share the folders of
-download, clean, vocab and shards, and a finished stage is found again by any run needing it.
-Prefect's own cache (persisted results, keyed by that folder) skips finished tasks; the flow
-refreshes a task whose folder has gone, so a deleted output is rebuilt, never trusted.
+Each row names a stage, the params sections whose identity decides its output, the stages
+whose outputs it reads, and the library function that does the work. From the table follow
+the flow (flows/wmt14_ende.py runs the rows in order), the folder layout, reuse, and the
+MLflow child runs (tasks/runner.py). A new stage is one row here and one library
+function; a new params section for it, if it needs one, goes in transformer/config.py.
+
+A stage writes into `<work>/<stage>/<key>`; the key hashes the identity of its params
+sections (config.operational keys left out), the fingerprints of its inputs' outputs, and,
+for a stage that reads files from outside the work dir, their sha256. A finished stage
+leaves `stage.json` in its folder: data (paths, sizes, fingerprints), never a pickle, and
+verified against the folder before it is trusted. So two runs that differ only in `train.*`
+share download, clean, vocabulary and shards; raising `train.max_steps` resumes the same
+training folder; and nothing read back from the work dir can execute code.
 """
 
 from __future__ import annotations
 
-import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect.context import TaskRunContext
+from pydantic import BaseModel
 
-from transformer.config import Params, fingerprint, params_hash, to_yaml
-from transformer.data.sources import input_fingerprints
+from tasks.settings import RunParams
+from tasks.train import launch_training, training_request
+from transformer.average import export_average
+from transformer.config import fingerprint, identity
+from transformer.data.clean import clean_corpus
+from transformer.data.shard import encode_and_shard
+from transformer.data.sources import input_fingerprints, prepare_source
+from transformer.evaluate import decode_and_score, reference_fingerprints
+from transformer.files import (
+    CLEAN_REPORT,
+    MANIFEST,
+    MODEL,
+    PREPARE_REPORT,
+    SCORES,
+    SPM_MODEL,
+    hypotheses,
+)
+from transformer.vocab import learn_vocab
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Every path a pipeline run reads or writes, fixed before anything runs."""
+class StageRun:
+    """What a stage's function gets: the params, its inputs' output folders by stage name,
+    its own output folder, and the pipeline run it belongs to."""
 
-    work_dir: Path
-    params_file: Path  # the resolved params, written once per params hash
-    prepare: Path
-    clean: Path
-    vocab: Path
-    shards: Path
-    train: Path
-    average: Path
-    decode: Path
+    params: RunParams
+    inputs: dict[str, Path]
+    out: Path
+    params_file: Path
+    tracking: dict[str, str]  # uri, run_id (the pipeline's MLflow run), stage_run_id
+    device: str
 
 
-# Keys that change how a stage runs, not what it produces: kept out of its folder's name.
-OPERATIONAL = {
-    "shard": {"workers"},
-    "train": {"log_every", "timeout_minutes", "max_bad_steps"},
-}
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    params: tuple[str, ...]  # dotted params sections whose identity names the output
+    inputs: tuple[str, ...]  # the stages whose outputs it reads
+    run: Callable[[StageRun], Any]  # the work; may return a JSON-able report
+    artifacts: tuple[str, ...] = ()  # files of the output logged to its MLflow run
+    # Files read from outside the work dir: their sha256 is part of the key.
+    external: Callable[[RunParams], dict[str, str]] | None = None
+    # A stage that can be extended (training): is the finished record what the params ask
+    # for? If not, the stage runs again in the same folder and continues.
+    satisfied: Callable[[RunParams, dict], bool] | None = None
+    # What of the stage's report downstream stages depend on (training: the step reached
+    # and the snapshots kept), hashed into its fingerprint; None: the key says it all.
+    output: Callable[[dict], Any] | None = None
 
 
-def plan(params: Params, work_dir: str | Path) -> Layout:
-    work = Path(work_dir).resolve()
-    d = params.data
-    inputs = input_fingerprints(d)  # hub revision, or each local file's sha256
-    prepare = fingerprint("prepare", d.source, d.splits, d.src_lang, d.tgt_lang,
-                          d.clean.on_invalid, inputs)  # fmt: skip
-    clean = fingerprint("clean", prepare, d.clean)
-    vocab = fingerprint("vocab", clean, params.vocab)
-    shards = fingerprint("shards", vocab, _identity(params, "shard"))
-    train = fingerprint("train", shards, params.model, _identity(params, "train"))
-    average = fingerprint("average", train, params.average)
-    decode = fingerprint("decode", average, params.decode)
-    run = work / "runs" / params_hash(params)
-    return Layout(
-        work_dir=work,
-        params_file=run / "params.yaml",
-        prepare=work / "prepare" / prepare,
-        clean=work / "clean" / clean,
-        vocab=work / "vocab" / vocab,
-        shards=work / "shards" / shards,
-        train=work / "train" / train,
-        average=work / "average" / average,
-        decode=work / "decode" / decode,
-    )
+STAGES: tuple[Stage, ...] = (
+    Stage("prepare", ("data",), (),
+          lambda r: prepare_source(r.params.data, r.out),
+          artifacts=(PREPARE_REPORT,), external=lambda p: input_fingerprints(p.data)),
+    Stage("clean", ("clean",), ("prepare",),
+          lambda r: clean_corpus(r.inputs["prepare"], r.params.clean, r.out),
+          artifacts=(CLEAN_REPORT,)),
+    Stage("vocab", ("vocab",), ("clean",),
+          lambda r: learn_vocab(r.inputs["clean"] / "train.parquet", r.params.vocab, r.out),
+          artifacts=(SPM_MODEL,)),
+    Stage("shards", ("shard",), ("clean", "vocab"),
+          lambda r: encode_and_shard(r.inputs["clean"], r.inputs["vocab"] / SPM_MODEL,
+                                     r.params.shard, r.out),
+          artifacts=(MANIFEST,)),
+    Stage("train", ("model", "train"), ("shards",), launch_training,
+          satisfied=lambda p, record: record["report"]["request"] == training_request(p),
+          output=lambda report: {k: report[k] for k in ("step", "snapshots")}),
+    Stage("average", ("average",), ("train",),
+          lambda r: export_average(r.inputs["train"], r.params.average, r.out / MODEL,
+                                   max_step=r.params.train.max_steps),
+          artifacts=(MODEL,)),
+    Stage("decode", ("decode", "score"), ("average", "clean"),
+          lambda r: decode_and_score(r.inputs["average"] / MODEL, r.inputs["clean"],
+                                     r.params.data, r.params.decode, r.params.score,
+                                     r.out, r.device),
+          artifacts=(SCORES, hypotheses("valid"), hypotheses("test")),
+          external=lambda p: reference_fingerprints(p.score, p.data)),
+)  # fmt: skip
+BY_NAME = {stage.name: stage for stage in STAGES}
 
 
-def write_params(params: Params, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_yaml(params))
-    tmp.replace(path)
-    return path
+def stage_key(stage: Stage, params: RunParams, inputs: dict[str, str]) -> str:
+    """The name of the stage's folder: identity of its params sections, its inputs'
+    fingerprints (by stage name), and the sha256 of the files it reads from outside."""
+    sections = {name: _identity_at(params, name) for name in stage.params}
+    outside = stage.external(params) if stage.external else {}
+    return fingerprint(stage.name, sections, inputs, outside)
 
 
-def output_key(context: TaskRunContext, inputs: dict[str, Any]) -> str:
-    """Prefect cache key of a stage task: its output folder (the folder's name is already a
-    hash of everything the stage depends on)."""
-    return f"stage-{fingerprint(str(Path(inputs['out_dir']).resolve()))}"
-
-
-def refresh_needed(done: str | Path, refresh: bool) -> bool:
-    """Bypass Prefect's cache when asked to, or when the output it points at is not there
-    (`done`: the output folder, or for training the marker of a finished run)."""
-    return refresh or not Path(done).exists()
-
-
-def fresh(out_dir: str | Path, refresh: bool) -> bool:
-    """True when the stage must run: asked to refresh (its old output is removed first),
-    or no finished output is there. Library stages write atomically, so a folder that
-    exists is a finished one."""
-    out = Path(out_dir)
-    if refresh and out.exists():
-        shutil.rmtree(out)
-    return not out.exists()
-
-
-def _identity(params: Params, section: str) -> dict:
-    return getattr(params, section).model_dump(mode="json", exclude=OPERATIONAL[section])
+def _identity_at(params: BaseModel, dotted: str) -> Any:
+    node: Any = params
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return identity(node) if isinstance(node, BaseModel) else node

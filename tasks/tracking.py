@@ -19,39 +19,26 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from transformer.config import (
-    Params,
-    TrackingConfig,
-    flatten,
-    load_params,
-    params_hash,
-    to_dict,
-)
+from transformer.config import Params, flatten, params_hash, to_dict
 
 PACKAGES = ("torch", "prefect", "mlflow", "sentencepiece", "sacrebleu", "datasets", "pyarrow")
 PARAMS_HASH_TAG = "params_hash"
 STAGE_TAG = "stage"
 
 
-def tracking_uri(params: Params, work_dir: str | os.PathLike) -> str:
-    """The params' URI (or MLFLOW_TRACKING_URI), else SQLite in the work dir (MLflow 3's
-    default store; the ./mlruns file store is deprecated)."""
-    return params.tracking.uri or f"sqlite:///{Path(work_dir).resolve() / 'mlflow.db'}"
-
-
 def client_for(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
 
 
-def experiment_id(client: MlflowClient, tracking: TrackingConfig, work_dir) -> str:
-    exp = client.get_experiment_by_name(tracking.experiment)
+def experiment_id(client: MlflowClient, name: str, uri: str, work_dir: Path) -> str:
+    exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     # With a local SQLite store, artifacts sit beside it in the work dir; a tracking server
     # decides for itself where artifacts go (somewhere all its readers can reach).
-    local = tracking.uri is None or tracking.uri.startswith("sqlite:")
-    artifacts = (Path(work_dir).resolve() / "mlartifacts").as_uri() if local else None
-    return client.create_experiment(tracking.experiment, artifact_location=artifacts)
+    local = uri.startswith("sqlite:")
+    artifacts = (work_dir.resolve() / "mlartifacts").as_uri() if local else None
+    return client.create_experiment(name, artifact_location=artifacts)
 
 
 def open_parent_run(
@@ -68,16 +55,31 @@ def open_parent_run(
     if found:
         run_id = found[0].info.run_id
         client.update_run(run_id, status="RUNNING")
+        kill_orphans(client, run_id)
         return run_id
     tags = {PARAMS_HASH_TAG: key, STAGE_TAG: "pipeline", **_provenance()}
     run = client.create_run(exp_id, run_name=run_name, tags=tags)
     run_id = run.info.run_id
-    flat = flatten(to_dict(params))
+    flat = flatten(to_dict(params))  # the orchestration's settings are no run parameter
+    flat = {k: v for k, v in flat.items() if not k.startswith("pipeline.")}
     for start in range(0, len(flat), 100):  # MLflow caps a batch at 100 params
         items = list(flat.items())[start : start + 100]
         client.log_batch(run_id, params=[_param(k, v) for k, v in items])
     client.log_artifact(run_id, str(params_file))
     return run_id
+
+
+def kill_orphans(client: MlflowClient, run_id: str) -> list[str]:
+    """Child runs left RUNNING by a killed flow (the caller holds the run's lock, so no
+    live flow owns them) are marked KILLED."""
+    exp = client.get_run(run_id).info.experiment_id
+    orphans = client.search_runs(
+        [exp],
+        filter_string=f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'",
+    )
+    for orphan in orphans:
+        client.set_terminated(orphan.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+    return [o.info.run_id for o in orphans]
 
 
 def finish_run(client: MlflowClient, run_id: str, ok: bool = True) -> None:
@@ -96,35 +98,37 @@ def mark_failed(tracking: dict) -> None:
 
 @contextmanager
 def stage_run(client: MlflowClient, parent_id: str, stage: str) -> Iterator[str]:
-    """A nested child run for one executed stage; FAILED if the stage raises."""
+    """A nested child run for one executed stage: FAILED if the stage raises, KILLED if it
+    is interrupted."""
     parent = client.get_run(parent_id)
     run = client.create_run(
         parent.info.experiment_id,
         run_name=stage,
         tags={"mlflow.parentRunId": parent_id, STAGE_TAG: stage},
     )
-    start = time.time()
     try:
         yield run.info.run_id
-    except BaseException:
-        finish_run(client, run.info.run_id, ok=False)
+    except BaseException as err:
+        status = RunStatus.FAILED if isinstance(err, Exception) else RunStatus.KILLED
+        client.set_terminated(run.info.run_id, RunStatus.to_string(status))
         raise
-    client.log_metric(run.info.run_id, "stage_seconds", time.time() - start)
     finish_run(client, run.info.run_id)
-
-
-@contextmanager
-def executing(stage: str, params_file: str, tracking: dict) -> Iterator[tuple]:
-    """What a stage task works in: its params, an MLflow client, and its nested run."""
-    client = client_for(tracking["uri"])
-    with stage_run(client, tracking["run_id"], stage) as run_id:
-        yield load_params(params_file), client, run_id
 
 
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int = 0):
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-    client.log_batch(run_id, metrics=batch)
+    for start in range(0, len(batch), 1000):  # MLflow caps a batch at 1000 metrics
+        client.log_batch(run_id, metrics=batch[start : start + 1000])
+
+
+def numbers(report: dict) -> dict[str, float]:
+    """The numeric leaves of a stage's report, by dotted path: its MLflow metrics."""
+    return {
+        k.replace(".", "/"): float(v)
+        for k, v in flatten(report).items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 class MlflowLogger:

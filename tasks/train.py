@@ -1,8 +1,9 @@
-"""The train stage: `torchrun` in a subprocess, its output streamed, its metrics in MLflow.
+"""The train stage: the library's trainer in a subprocess (under torchrun for several
+processes), its output streamed to the run's log, its metrics in MLflow.
 
-Training runs under plain torchrun (the same command scales to many GPUs and nodes); this
-task only launches it, watches it, and records it. A rerun of the same params resumes from
-the run folder's last checkpoint, because the trainer does that by itself.
+The same run folder serves every params that differ only in operational keys: the trainer
+resumes from its newest state by itself, so a raised `train.max_steps` or `patience`
+continues the run, and a killed run loses at most `train.save_every` steps.
 """
 
 from __future__ import annotations
@@ -17,81 +18,84 @@ from pathlib import Path
 
 import torch
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
-from tasks.report import plot_training_curve
-from tasks.stages import fresh, output_key
-from tasks.tracking import executing
+from transformer.checkpoint import describe_run
+from transformer.files import TRAIN_LOG
 
-DONE = "DONE"  # written when torchrun exits 0: the run folder holds a finished training
+# Keys that say where training ends: a finished record that asked for other values is
+# extended (or, if already past them, confirmed) by running the trainer again.
+STOP_KEYS = ("max_steps", "patience", "best_metric", "valid_every", "valid_bleu", "valid_beam")
 
 
 class TrainingFailed(RuntimeError):
-    pass
+    """The trainer exited with an error: a bug, or (exit 2) a user error in one line."""
+
+    def __init__(self, message: str, user_error: bool):
+        super().__init__(message)
+        self.user_error = user_error
 
 
-@task(name="train", cache_key_fn=output_key, persist_result=True)
-def train(
-    params_file: str, shards: str, out_dir: str, tracking: dict, refresh: bool = False
-) -> str:
-    if fresh(out_dir, refresh) or not (Path(out_dir) / DONE).exists():
-        with executing("train", params_file, tracking) as (params, client, run_id):
-            monitor = SystemMetricsMonitor(
-                run_id, sampling_interval=5, tracking_uri=tracking["uri"]
-            )
-            monitor.start()
-            try:
-                launch(
-                    params_file,
-                    shards,
-                    out_dir,
-                    tracking,
-                    nproc=nproc_per_node(params.train.nproc_per_node),
-                    timeout_s=params.train.timeout_minutes * 60 or None,
-                )
-            finally:
-                monitor.finish()
-            (Path(out_dir) / DONE).touch()
-            client.log_artifact(run_id, str(Path(out_dir) / "train.log"))
-            png = plot_training_curve(client, tracking["run_id"], Path(out_dir) / "curve.png")
-            client.log_artifact(tracking["run_id"], str(png))
-    return out_dir
+def training_request(params) -> dict:
+    return {key: getattr(params.train, key) for key in STOP_KEYS}
 
 
-def nproc_per_node(configured: int | None) -> int:
-    """Processes per node: as configured, else one per visible GPU, else 1 on CPU."""
-    return configured or torch.cuda.device_count() or 1
+def launch_training(r) -> dict:
+    """Train (or resume) in `r.out` until the params' stopping point; return where it got.
+    `r`: a tasks.stages.StageRun."""
+    monitor = SystemMetricsMonitor(
+        r.tracking["stage_run_id"], sampling_interval=5, tracking_uri=r.tracking["uri"]
+    )
+    monitor.start()
+    try:
+        pipeline = r.params.pipeline
+        launch(
+            r.params_file,
+            r.inputs["shards"],
+            r.out,
+            r.tracking,
+            nproc=pipeline.nproc_per_node or torch.cuda.device_count() or 1,
+            timeout_s=pipeline.train_timeout_minutes * 60 or None,
+        )
+    finally:
+        monitor.finish()
+    return {**describe_run(r.out), "request": training_request(r.params)}
+
+
+def command(params_file: Path, shards: Path, out: Path, nproc: int) -> list[str]:
+    """One process: plain python, no rendezvous, no port. Several: torchrun with its
+    stores on the loopback interface only (tasks/torchrun.py). Either way the trainer
+    saves and stops if this process dies."""
+    worker = ["-m", "tasks.train_worker", str(params_file), "--data", str(shards),
+              "--out", str(out), "--no-timestamps", "--die-with-parent"]  # fmt: skip
+    if nproc == 1:
+        return [sys.executable, *worker]
+    return [sys.executable, "-m", "tasks.torchrun", "--nnodes", "1",
+            "--nproc_per_node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "127.0.0.1:0", "--local-addr", "127.0.0.1", *worker]  # fmt: skip
 
 
 def launch(
-    params_file: str, shards: str, out_dir: str, tracking: dict, nproc: int, timeout_s: float | None
+    params_file: Path, shards: Path, out: Path, tracking: dict, nproc: int, timeout_s
 ) -> None:
-    """Run torchrun to completion, streaming its output; raise with its tail on failure."""
+    """Run the trainer to completion, streaming its output; raise with its tail on failure."""
     log = get_run_logger()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1", "--nproc_per_node", str(nproc),
-        "-m", "tasks.train_worker", params_file, "--data", shards, "--out", out_dir,
-    ]  # fmt: skip
-    # The ranks find the run through the environment; only rank 0 logs to it.
-    env = dict(
-        os.environ,
-        MLFLOW_RUN_ID=tracking["run_id"],
-        MLFLOW_TRACKING_URI=tracking["uri"],
-        PYTHONUNBUFFERED="1",
-    )
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    cmd = command(params_file, shards, out, nproc)
+    # The trainer finds the pipeline's MLflow run through the environment (rank 0 logs).
+    env = dict(os.environ, MLFLOW_RUN_ID=tracking["run_id"], MLFLOW_TRACKING_URI=tracking["uri"],
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
     log.info("launching: %s", " ".join(cmd))
     tail: collections.deque[str] = collections.deque(maxlen=40)
     timed_out = threading.Event()
-    # torchrun stays in our process group, so a cancelled flow run's signal reaches it too.
+    # The trainer stays in our process group, so a signal to the group reaches it too.
     with (
-        open(Path(out_dir) / "train.log", "a", buffering=1) as logfile,
+        open(out / TRAIN_LOG, "a", buffering=1) as logfile,
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, bufsize=1) as proc,
     ):  # fmt: skip
         # A timer, not a check per line: a hung rank prints nothing.
-        watchdog = threading.Timer(timeout_s or 0, _stop, args=(proc, timed_out))
+        watchdog = threading.Timer(timeout_s or 0, stop, args=(proc, timed_out))
         if timeout_s:
             watchdog.start()
         try:
@@ -101,29 +105,30 @@ def launch(
                 log.info(line.rstrip())
             code = proc.wait()
         except BaseException:  # the task itself was interrupted: leave no trainer behind
-            _stop(proc)
+            stop(proc)
             raise
         finally:
             watchdog.cancel()
-    last = "\n".join(tail)
     if timed_out.is_set():
-        raise TrainingFailed(f"training exceeded train.timeout_minutes; last lines:\n{last}")
+        raise TrainingFailed("training exceeded pipeline.train_timeout_minutes", user_error=True)
+    if code == 2:  # the trainer's one-line user error is its last line
+        raise TrainingFailed(tail[-1] if tail else "training failed", user_error=True)
     if code != 0:
-        raise TrainingFailed(
-            f"torchrun exited with {code}; last lines of {out_dir}/train.log:\n{last}"
-        )
+        last = "\n".join(tail)
+        raise TrainingFailed(f"the trainer exited with {code}; last lines of "
+                             f"{out / TRAIN_LOG}:\n{last}", user_error=code > 128)  # fmt: skip
 
 
-def _stop(proc: subprocess.Popen, timed_out: threading.Event | None = None) -> None:
-    """SIGTERM torchrun alone (it forwards one SIGTERM to each rank, which finishes its
-    update and checkpoints; a second signal would make the ranks stop without saving),
-    then SIGKILL if it has not exited within a minute."""
+def stop(proc: subprocess.Popen, timed_out: threading.Event | None = None) -> None:
+    """SIGTERM the trainer (torchrun forwards it to each rank, which finishes its update and
+    saves; one already signalled with the whole process group takes it as the same
+    request), then SIGKILL if it has not exited within 25 s."""
     if proc.poll() is not None:
         return
     if timed_out is not None:
         timed_out.set()
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=25)
     except subprocess.TimeoutExpired:
         proc.kill()

@@ -83,6 +83,7 @@ TINY_PARAMS = """\
     vocab: {size: 100}
     model: {n_layers: 1, d_model: 32, d_ff: 64, n_heads: 2, dropout: 0.1}
     train:
+      batch_tokens: 256
       max_tokens: 256
       max_steps: 8
       warmup_steps: 4
@@ -113,3 +114,38 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+SMOKE_STEPS = [
+    "train.max_steps=200",
+    "train.save_every=100",
+    "train.valid_every=200",
+    "train.valid_bleu=false",
+    "train.log_every=100",
+    "train.keep_last=2",
+    "average.last_n=2",
+]
+
+
+@pytest.fixture(scope="session")
+def smoke_model(tmp_path_factory) -> Path:
+    """An exported model trained for 200 steps on the shipped smoke corpus (about a minute
+    on 2 cores): peaked enough that exact comparisons of decoders are meaningful."""
+    from transformer.average import export_average
+    from transformer.config import load_params
+    from transformer.data.clean import clean_corpus
+    from transformer.data.sources import prepare_source
+    from transformer.train import main as train_main
+
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path_factory.mktemp("smoke_model")
+    params_file = root / "params" / "smoke.yaml"
+    overrides = [f"data.source.path={root / 'data' / 'smoke'}", *SMOKE_STEPS]
+    params = load_params(params_file, overrides)
+    prepare_source(params.data, work / "prepare")
+    clean_corpus(work / "prepare", params.clean, work / "clean")
+    spm_model = learn_vocab(work / "clean" / "train.parquet", params.vocab, work / "vocab")
+    encode_and_shard(work / "clean", spm_model, params.shard, work / "shards")
+    data, run = ["--data", str(work / "shards")], ["--out", str(work / "run")]
+    assert train_main([str(params_file), *overrides, *data, *run]) == 0
+    return export_average(work / "run", params.average, work / "model.pt")

@@ -8,12 +8,13 @@ import torch
 
 from transformer import checkpoint as ckpt
 from transformer.average import average_checkpoints, export_average, main
+from transformer.config import AverageConfig
 from transformer.train import main as train_main
 from transformer.translate import load_translator
 
 
 def _save(path, model: dict, step: int = 1) -> object:
-    return ckpt.atomic_save({"format": ckpt.TRAIN_FORMAT, "step": step, "model": model}, path)
+    return ckpt.atomic_save({"format": ckpt.SNAPSHOT_FORMAT, "step": step, "model": model}, path)
 
 
 def test_the_average_is_the_exact_mean(tmp_path):
@@ -60,19 +61,22 @@ def run_dir(tiny_params, tiny_shards, tmp_path_factory):
     torch.set_num_threads(1)
     try:
         argv = [str(tiny_params), "--data", str(tiny_shards), "--out", str(out)]
-        assert train_main([*argv, "train.max_steps=6", "train.valid_every=6"]) == 0
+        assert (
+            train_main([*argv, "train.max_steps=6", "train.valid_every=6", "train.keep_last=3"])
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     return out
 
 
 def test_export_round_trips_into_a_translator(run_dir, tmp_path):
-    out = export_average(run_dir, 2, tmp_path / "model.pt")
+    out = export_average(run_dir, AverageConfig(last_n=2), tmp_path / "model.pt")
     mf = ckpt.load_model_file(out)
-    last_two = ckpt.list_checkpoints(run_dir)[-2:]
-    assert mf.meta["averaged_from"] == ["step-0000004.pt", "step-0000006.pt"]
+    last_two = ckpt.list_files(run_dir, "model")[-2:]
+    assert mf.meta["averaged_from"] == ["model-0000004.pt", "model-0000006.pt"]
     assert mf.meta["steps"] == [4, 6] and mf.meta["step"] == 6
-    newest = ckpt.load_checkpoint(last_two[-1])
+    newest = ckpt.load_typed(last_two[-1], ckpt.SNAPSHOT_FORMAT)
     assert mf.meta["data_fingerprint"] == newest["data_fingerprint"]
     assert mf.params == newest["params"]
     assert mf.spm_model == (run_dir / "spm.model").read_bytes()
@@ -83,19 +87,29 @@ def test_export_round_trips_into_a_translator(run_dir, tmp_path):
     assert torch.equal(model.state_dict()["out_proj.weight"], expected["out_proj.weight"])
 
 
-def test_too_few_checkpoints_is_an_error_that_counts_them(run_dir, tmp_path):
-    with pytest.raises(ckpt.CheckpointError, match=r"3 checkpoint\(s\) .* 4 to average"):
-        export_average(run_dir, 4, tmp_path / "model.pt")
+def test_too_few_snapshots_is_an_error_that_counts_them(run_dir, tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match=r"3 last snapshot\(s\) .* 4 to average"):
+        export_average(run_dir, AverageConfig(last_n=4), tmp_path / "model.pt")
+    # Snapshots past train.max_steps (a run trained further than these params ask) are not
+    # averaged.
+    out = export_average(run_dir, AverageConfig(last_n=2), tmp_path / "m.pt", max_step=4)
+    assert ckpt.load_model_file(out).meta["steps"] == [2, 4]
 
 
 def test_cli_takes_a_run_folder_or_files(run_dir, tmp_path, capsys):
     assert main([str(run_dir), "--last", "3", "--out", str(tmp_path / "a.pt")]) == 0
     assert ckpt.load_model_file(tmp_path / "a.pt").meta["steps"] == [2, 4, 6]
-    # Without --last: the run's own average.last_n (2 in the tiny params).
+    # Without --last: the run's own average section (last_n 2 in the tiny params).
     assert main([str(run_dir), "--out", str(tmp_path / "b.pt")]) == 0
     assert ckpt.load_model_file(tmp_path / "b.pt").meta["steps"] == [4, 6]
-    files = [str(p) for p in ckpt.list_checkpoints(run_dir)[:2]]
+    assert main([str(run_dir), "--best", "1", "--out", str(tmp_path / "best.pt")]) == 0
+    assert len(ckpt.load_model_file(tmp_path / "best.pt").meta["steps"]) == 1
+    files = [str(p) for p in ckpt.list_files(run_dir, "model")[:2]]
     assert main([*files, "--out", str(tmp_path / "c.pt")]) == 0
     assert ckpt.load_model_file(tmp_path / "c.pt").meta["steps"] == [2, 4]
-    assert main([str(run_dir), "--last", "9", "--out", str(tmp_path / "d.pt")]) == 1
-    assert "9 to average" in capsys.readouterr().err
+    capsys.readouterr()
+    for bad in (["--last", "9"], ["--last", "-1"], ["--last", "0"], ["--last", "x"]):
+        assert main([str(run_dir), *bad, "--out", str(tmp_path / "d.pt")]) == 2, bad
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error:"), err
+    assert not (tmp_path / "d.pt").exists()

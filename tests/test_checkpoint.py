@@ -1,9 +1,10 @@
-"""Checkpoint files: atomic, safely loaded, found by step, pruned, and RNG states that
-round-trip through a weights-only load."""
+"""Checkpoint files: atomic, safely loaded, pruned as the manager promises, found by step
+and by score, and RNG states that round-trip through a weights-only load."""
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import numpy as np
@@ -13,8 +14,9 @@ import torch
 from transformer import checkpoint as ckpt
 
 
-def _state(step: int) -> dict:
-    return {"step": step, "model": {"w": torch.full((2,), float(step))}}
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/should-never-exist",))
 
 
 def test_load_file_names_the_file_on_every_failure(tmp_path):
@@ -28,79 +30,101 @@ def test_load_file_names_the_file_on_every_failure(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"list\.pt: not a checkpoint"):
         ckpt.load_file(tmp_path / "list.pt")
     ckpt.save_model_file(tmp_path / "m.pt", ckpt.ModelFile({}, {}, b"x", {}))
-    with pytest.raises(ckpt.CheckpointError, match="not a training checkpoint"):
-        ckpt.load_checkpoint(tmp_path / "m.pt")
+    with pytest.raises(ckpt.CheckpointError, match="not 'transformer-mt/state/1'"):
+        ckpt.load_typed(tmp_path / "m.pt", ckpt.STATE_FORMAT)
 
 
-def test_atomic_save_leaves_no_temporary_file(tmp_path):
+def test_a_pickle_that_runs_code_is_refused_without_advising_weights_only_false(tmp_path):
+    torch.save({"model": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_file(tmp_path / "evil.pt")
+    assert "evil.pt" in str(err.value) and "refused" in str(err.value)
+    assert "weights_only" not in str(err.value) and len(str(err.value).splitlines()) == 1
+    assert not os.path.exists("/tmp/should-never-exist")
+
+
+def test_atomic_save_leaves_no_temporary_file_and_follows_the_umask(tmp_path):
     ckpt.atomic_save({"a": 1}, tmp_path / "sub" / "x.pt")
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["x.pt"]
     assert ckpt.load_file(tmp_path / "sub" / "x.pt", mmap=True) == {"a": 1}
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "sub" / "x.pt").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
-def test_checkpoints_sort_by_step_and_prune_to_keep_last(tmp_path):
-    for step in (9, 10, 100, 1000):
-        ckpt.save_checkpoint(tmp_path, _state(step), keep_last=3)
-    (tmp_path / "checkpoints" / "step-notanumber.pt").write_bytes(b"")
-    names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
-    assert names == ["step-0000010.pt", "step-0000100.pt", "step-0001000.pt"]
-    assert ckpt.checkpoint_step(tmp_path / "checkpoints" / names[0]) == 10
+def _manager(tmp_path, keep_last=2, keep_best=1, higher=False):
+    return ckpt.CheckpointManager(tmp_path, keep_last, keep_best, higher)
 
 
-def test_best_link_survives_pruning(tmp_path):
-    saved = ckpt.save_checkpoint(tmp_path, _state(1), keep_last=1)
-    ckpt.link_best(tmp_path, saved)
-    ckpt.save_checkpoint(tmp_path, _state(2), keep_last=1)
-    assert not saved.exists()
-    assert ckpt.load_checkpoint(ckpt.best_path(tmp_path))["step"] == 1
-    ckpt.save_best(tmp_path, _state(3))  # a best step that is no save step: its own file
-    assert ckpt.load_checkpoint(ckpt.best_path(tmp_path))["step"] == 3
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-0000002.pt"]
+def _snap(manager, step, score):
+    return manager.snapshot(step, {"params": {}, "data_fingerprint": "f"},
+                            {"w": torch.full((2,), float(step))}, score)  # fmt: skip
 
 
-def test_load_latest_skips_an_unreadable_file_with_a_warning(tmp_path, caplog):
-    assert ckpt.load_latest(tmp_path) is None
-    for step in (1, 2):
-        ckpt.save_checkpoint(tmp_path, _state(step), keep_last=5)
-    newest = ckpt.step_path(tmp_path, 2)
+def test_snapshots_keep_the_last_n_and_the_best(tmp_path):
+    m = _manager(tmp_path)
+    for step, loss in ((10, 3.0), (20, 1.0), (30, 2.0), (40, 2.5), (50, None)):
+        _snap(m, step, loss)
+    names = [p.name for p in ckpt.list_files(tmp_path, "model")]
+    assert names == ["model-0000020.pt", "model-0000040.pt", "model-0000050.pt"]  # best 20
+    assert [s["step"] for s in m.best(1)] == [20]
+    higher = _manager(tmp_path / "bleu", keep_last=1, keep_best=2, higher=True)
+    for step, bleu in ((1, 10.0), (2, 30.0), (3, 20.0), (4, 5.0)):
+        _snap(higher, step, bleu)
+    assert [p.name for p in ckpt.list_files(tmp_path / "bleu", "model")] == [
+        "model-0000002.pt", "model-0000003.pt", "model-0000004.pt",
+    ]  # fmt: skip
+
+
+def test_training_states_keep_the_newest_two_and_skip_an_unreadable_one(tmp_path, caplog):
+    m = _manager(tmp_path)
+    assert m.load_latest() is None
+    for step in (1, 2, 3):
+        m.save_state(step, {"step": step})
+    assert [p.name for p in ckpt.list_files(tmp_path, "state")] == [
+        "state-0000002.pt", "state-0000003.pt"
+    ]  # fmt: skip
+    newest = m.path("state", 3)
     newest.write_bytes(newest.read_bytes()[:100])
     with caplog.at_level(logging.WARNING):
-        path, state = ckpt.load_latest(tmp_path)
-    assert state["step"] == 1 and path.name == "step-0000001.pt"
-    assert "step-0000002.pt" in caplog.text
-    ckpt.step_path(tmp_path, 1).write_bytes(b"garbage")
-    with pytest.raises(ckpt.CheckpointError, match="none of the 2 checkpoints is readable"):
-        ckpt.load_latest(tmp_path)
+        path, state = m.load_latest()
+    assert state["step"] == 2 and path.name == "state-0000002.pt"
+    assert "state-0000003.pt" in caplog.text
+    m.path("state", 2).write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match="none of the 2 training states is readable"):
+        m.load_latest()
 
 
-def test_remove_partial_writes(tmp_path):
-    ckpt.save_checkpoint(tmp_path, _state(1), keep_last=5)
-    tmp = tmp_path / "checkpoints" / ".step-0000002.pt.abc.tmp"
-    tmp.write_bytes(b"half")
-    ckpt.remove_partial_writes(tmp_path)
-    assert not tmp.exists() and ckpt.step_path(tmp_path, 1).exists()
+def test_resuming_removes_snapshots_written_after_the_state(tmp_path):
+    m = _manager(tmp_path, keep_last=5)
+    _snap(m, 10, 1.0)
+    m.save_state(10, {"checkpoints": m.state_dict()})
+    _snap(m, 20, 0.5)  # then killed before the state of step 20
+    resumed = _manager(tmp_path, keep_last=5)
+    _, state = resumed.load_latest()
+    resumed.load_state_dict(state["checkpoints"])
+    assert [p.name for p in ckpt.list_files(tmp_path, "model")] == ["model-0000010.pt"]
+    assert resumed.index == [{"step": 10, "score": 1.0}]
 
 
-def test_param_differences_name_each_key():
-    saved = {"model": {"d_model": 64, "n_heads": 4}, "train": {"max_steps": 10, "seed": 1}}
-    now = {"model": {"d_model": 128, "n_heads": 4}, "train": {"max_steps": 20, "seed": 1}}
-    assert ckpt.param_differences(saved, now, frozenset({"train.max_steps"})) == [
-        "model.d_model: 64 in checkpoint, 128 now"
-    ]
+def test_select_snapshots_last_best_and_bounded_by_step(tmp_path):
+    m = _manager(tmp_path, keep_last=5, keep_best=0)
+    for step, loss in ((1, 4.0), (2, 2.0), (3, 3.0), (4, 1.0)):
+        _snap(m, step, loss)
+    steps = lambda paths: [ckpt.file_step(p) for p in paths]
+    assert steps(ckpt.select_snapshots(tmp_path, "last", 2)) == [3, 4]
+    assert steps(ckpt.select_snapshots(tmp_path, "best", 2)) == [2, 4]  # oldest first
+    assert steps(ckpt.select_snapshots(tmp_path, "last", 2, max_step=3)) == [2, 3]
+    with pytest.raises(ckpt.CheckpointError, match=r"4 last snapshot\(s\) .* 5 to average"):
+        ckpt.select_snapshots(tmp_path, "last", 5)
 
 
-def test_resume_differences_cover_params_data_and_world_size():
-    state = {
-        "params": {"model": {"d_model": 64}, "train": {"max_steps": 5}, "decode": {"beam": 4}},
-        "data_fingerprint": "abc",
-        "world_size": 2,
-    }
-    now = {"model": {"d_model": 64}, "train": {"max_steps": 9}, "decode": {"beam": 5}}
-    assert ckpt.resume_differences(state, now, "abc", 2, frozenset({"train.max_steps"})) == []
-    assert ckpt.resume_differences(state, now, "abd", 1, frozenset({"train.max_steps"})) == [
-        "data fingerprint differs (abc in checkpoint, abd now): other shards",
-        "world size: 2 in checkpoint, 1 now (each update would see other batches)",
-    ]
+def test_resume_differences_name_identity_keys_and_ignore_operational_ones():
+    saved = {"model": {"d_model": 64, "n_heads": 4}, "train": {"max_steps": 10, "seed": 1},
+             "decode": {"beam_size": 4}}  # fmt: skip
+    now = {"model": {"d_model": 128, "n_heads": 4}, "train": {"max_steps": 20, "seed": 1},
+           "decode": {"beam_size": 5}}  # fmt: skip
+    assert ckpt.resume_differences(saved, now) == ["model.d_model: 64 in checkpoint, 128 now"]
 
 
 def _draws() -> tuple:

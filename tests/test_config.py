@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tasks.settings import RunParams, load_run_params
 from transformer.config import (
     ParamsError,
     flatten,
+    identity,
     load_params,
+    operational_keys,
     params_hash,
     to_dict,
     to_yaml,
@@ -26,7 +29,7 @@ def test_base_holds_the_papers_values():
     assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.dropout) == (6, 512, 2048, 8, 0.1)
     assert not m.norm_first and m.positional == "sinusoidal" and m.share_embeddings
     assert p.vocab.size == 37000 and p.vocab.model_type == "bpe"
-    assert p.train.adam_betas == (0.9, 0.98) and p.train.adam_eps == 1e-9
+    assert p.train.adam_betas == [0.9, 0.98] and p.train.adam_eps == 1e-9
     assert p.train.warmup_steps == 4000 and p.train.max_steps == 100_000
     assert p.train.label_smoothing == 0.1
     assert p.average.last_n == 5
@@ -56,18 +59,39 @@ def test_smoke_is_tiny_and_local():
 def test_overrides_are_typed_and_change_the_hash():
     a = load_params(PARAMS / "base.yaml")
     b = load_params(PARAMS / "base.yaml", ["model.dropout=0.2", "train.adam_betas=[0.9,0.99]"])
-    assert b.model.dropout == 0.2 and b.train.adam_betas == (0.9, 0.99)
+    assert b.model.dropout == 0.2 and b.train.adam_betas == [0.9, 0.99]
     assert params_hash(a) != params_hash(b)
     assert params_hash(a) == params_hash(load_params(PARAMS / "base.yaml"))
 
 
-def test_tracking_env_overrides_and_is_not_part_of_the_hash(monkeypatch):
-    a = load_params(PARAMS / "smoke.yaml")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/x.db")
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "mine")
-    b = load_params(PARAMS / "smoke.yaml")
-    assert b.tracking.uri == "sqlite:////tmp/x.db" and b.tracking.experiment == "mine"
-    assert params_hash(a) == params_hash(b)
+def test_each_key_is_declared_identity_or_operational_once():
+    keys = operational_keys()
+    assert {"train.max_steps", "train.log_every", "train.valid_every", "train.save_every",
+            "train.patience", "shard.workers", "train.max_tokens"} <= keys  # fmt: skip
+    assert not keys & {"model.d_model", "train.batch_tokens", "train.seed", "vocab.size"}
+    p = load_params(PARAMS / "base.yaml")
+    q = load_params(PARAMS / "base.yaml", ["train.max_steps=5", "train.valid_every=7"])
+    assert identity(p.train) == identity(q.train) and "max_steps" not in identity(p.train)
+    r = load_params(PARAMS / "base.yaml", ["train.lr_scale=2.0"])
+    assert identity(p.train) != identity(r.train)
+    # The pipeline's own section is validated with the pipeline's schema; the library
+    # leaves it alone, and it is in no run's identity.
+    assert set(operational_keys(RunParams)) >= {"pipeline.nproc_per_node"}
+    with pytest.raises(ParamsError, match=r"pipeline\.nproc_per_node: Input should be"):
+        load_run_params(PARAMS / "base.yaml", ["pipeline.nproc_per_node=many"])
+    assert params_hash(load_run_params(PARAMS / "base.yaml", ["pipeline.experiment=x"])) == (
+        params_hash(p)
+    )
+
+
+def test_strict_types_and_duplicate_keys(tmp_path):
+    with pytest.raises(ParamsError, match=r"train\.max_steps: Input should be a valid integer"):
+        load_params(PARAMS / "base.yaml", ["train.max_steps=true"])
+    with pytest.raises(ParamsError, match=r"model\.dropout: Input should be a valid number"):
+        load_params(PARAMS / "base.yaml", ["model.dropout=yes"])
+    path = _write(tmp_path, "data: {source: {path: x}}\nmodel:\n  d_model: 64\n  d_model: 128\n")
+    with pytest.raises(ParamsError, match=r"line 4, column 3: malformed YAML: duplicate key"):
+        load_params(path)
 
 
 def test_resolved_yaml_round_trips(tmp_path):
@@ -94,7 +118,8 @@ def _write(tmp_path, text, name="p.yaml"):
         (["model.positional=rotary"], "model.positional", "sinusoidal"),
         (["average.last_n=9"], "average.last_n", "keep_last"),
         (["data.source.revision=null"], "data.source", "revision"),
-        (["data.clean.min_len=300"], "data.clean.min_len", "max_len"),
+        (["clean.min_len=300"], "clean.min_len", "max_len"),
+        (["train.best_metric=bleu"], "train.best_metric", "valid_bleu"),
         (["train.adam_betas=[0.9,1.5]"], "train.adam_betas", "[0, 1)"),
     ],
 )

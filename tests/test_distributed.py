@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer.checkpoint import list_checkpoints, load_checkpoint
+from transformer import checkpoint as ckpt
 from transformer.distributed import all_gather_objects, all_reduce_sum, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,32 +55,31 @@ def _train(out: Path, params: Path, shards: Path, launcher: list[str], *extra: s
 
 
 def test_two_ranks_equal_one_rank_accumulating_two_batches(tiny_params, tiny_shards, tmp_path):
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-    ]
-    two = _train(tmp_path / "two", tiny_params, tiny_shards, torchrun)
-    one = _train(
-        tmp_path / "one", tiny_params, tiny_shards, [sys.executable], "train.update_freq=2"
-    )
-    a = load_checkpoint(list_checkpoints(tmp_path / "two")[-1], mmap=False)
-    b = load_checkpoint(list_checkpoints(tmp_path / "one")[-1], mmap=False)
+    # The pipeline's launcher: torchrun with its stores on the loopback interface only.
+    torchrun = [sys.executable, "-m", "tasks.torchrun", "--nnodes", "1", "--nproc_per_node",
+                "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]  # fmt: skip
+    # The same update of 512 tokens: 2 ranks x 1 pass of 256, or 1 rank x 2 passes of 256.
+    update = ["train.batch_tokens=512", "train.max_tokens=256"]
+    two = _train(tmp_path / "two", tiny_params, tiny_shards, torchrun, *update)
+    one = _train(tmp_path / "one", tiny_params, tiny_shards, [sys.executable], *update)
+    a, b = (_final(tmp_path / run) for run in ("two", "one"))
     assert a["world_size"] == 2 and len(a["rng"]) == 2 and b["world_size"] == 1
-    assert a["train_state"]["tokens_seen"] == b["train_state"]["tokens_seen"]
+    assert a["progress"]["tokens_seen"] == b["progress"]["tokens_seen"]
     for key, value in a["model"].items():
         torch.testing.assert_close(value, b["model"][key], rtol=0, atol=1e-5, msg=key)
     # Only rank 0 logs: one line per step, not two.
-    assert two.count("step 3 | train/loss") == 1 and one.count("step 3 | train/loss") == 1
-    assert _losses(two) == pytest.approx(_losses(one), rel=1e-4)
+    assert two.count("step 3/3 (100%)") == 1 and one.count("step 3/3 (100%)") == 1
+    assert "2 rank(s) x 1 micro-batch(es)" in two and "1 rank(s) x 2 micro-batch(es)" in one
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-3)
+
+
+def _final(run_dir: Path) -> dict:
+    return ckpt.load_typed(ckpt.list_files(run_dir, "state")[-1], ckpt.STATE_FORMAT)
 
 
 def _losses(out: str) -> list[float]:
     return [
-        float(line.split("train/loss ")[1].split(" ")[0])
+        float(line.split("| loss ")[1].split(" ")[0])
         for line in out.splitlines()
-        if "train/loss" in line
+        if line.startswith("step ")
     ]

@@ -37,7 +37,7 @@ TINY = [
     "decode.beam_size=2",
     "decode.max_len_b=10",
 ]
-STAGES = {"download", "clean", "learn-bpe", "encode-shard", "train", "average", "decode-score"}
+STAGES = {"prepare", "clean", "vocab", "shards", "train", "average", "decode"}
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -87,12 +87,17 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
         "valid/bleu",
         "test/bleu",
         "test/chrf",
+        "test/bleu_lc",
         "test/bleu_tok_compound",
+        "dev/bleu",
     ):
         assert key in metrics, key
     assert 0.0 <= metrics["test/bleu"] <= 100.0
     assert metrics["test/bleu"] == pytest.approx(result["scores"]["test"]["bleu"])
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) >= 3
+    # One valid/bleu series: the validations during training; the final averaged beam
+    # model's score on the same split is dev/bleu.
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "valid/bleu")] == [20, 40]
     tags = run.data.tags
     for key in ("params_hash", "git_commit", "version.torch", "data_fingerprint"):
         assert tags.get(key), key
@@ -119,6 +124,7 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
 def test_outputs_are_real(first):
     result, _ = first
     hyps = Path(result["hypotheses"]).read_text().splitlines()
+    assert result["step"] == 40
     assert len(hyps) == 300
     model = load_model_file(result["model"])
     assert len(model.meta["averaged_from"]) == 2
@@ -158,37 +164,62 @@ def test_two_fresh_runs_are_bitwise_reproducible(first, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first, work):
+    """Logging, validation and checkpoint cadence, workers, max_steps upward: the data
+    stages are reused and training resumes in its folder; an identity key (dropout) trains
+    anew in another folder, on the same shards."""
+    result, _ = first
+    train_dirs = _folders(work / "train")
+    operational = [*TINY, "train.log_every=5", "train.valid_every=10", "train.save_every=20",
+                   "shard.workers=1", "train.valid_bleu=false", "train.max_steps=50"]  # fmt: skip
+    state = wmt14_ende(SMOKE, operational, str(work), return_state=True)
+    assert state.is_completed(), state
+    extended = state.result()
+    assert _folders(work / "train") == train_dirs  # the same folder, extended
+    assert extended["step"] == 50 and extended["run_id"] != result["run_id"]
+    children = {c.data.tags["stage"] for c in _children(_client(work), extended["run_id"])}
+    assert children == {"train", "average", "decode"}  # prepare..shards reused
+    log = (next(iter(train_dirs)) / "train.log").read_text()
+    assert "resumed from" in log and "at step 40" in log
+
+    identity = [*TINY, "model.dropout=0.2"]
+    other = wmt14_ende(SMOKE, identity, str(work), return_state=True).result()
+    assert len(_folders(work / "train") - train_dirs) == 1
+    children = {c.data.tags["stage"] for c in _children(_client(work), other["run_id"])}
+    assert children == {"train", "average", "decode"}
+
+
 def test_a_run_killed_in_training_resumes_and_completes(first, work):
-    overrides = [*TINY, "train.max_steps=80"]  # new train stage, same data stages
+    overrides = [*TINY, "train.max_steps=80"]  # the same training folder, extended
     cmd = [sys.executable, "-m", "flows.wmt14_ende", SMOKE, *overrides, "--work-dir", str(work)]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    before = set((work / "train").iterdir())
+    run_dir = Path(first[0]["model"]).parents[2] / "train"
+    run_dir = next(
+        d for d in run_dir.iterdir() if (d / "checkpoints" / "state-0000040.pt").exists()
+    )
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        runs = set((work / "train").iterdir()) - before
-        if runs and list(next(iter(runs)).glob("checkpoints/step-*.pt")):
-            break
+    while not list(run_dir.glob("checkpoints/state-00000[6-7]0.pt")):
         assert proc.poll() is None, "the flow ended before training checkpointed"
+        assert time.monotonic() < deadline
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)  # the flow, torchrun and the trainer, all at once
+    os.killpg(proc.pid, signal.SIGKILL)  # the flow and the trainer, all at once
     proc.wait()
-    run_dir = next(iter(set((work / "train").iterdir()) - before))
-    assert not (run_dir / "DONE").exists()
 
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "test BLEU" in done.stdout
-    assert "resum" in (run_dir / "train.log").read_text().lower()
+    assert "resumed from" in (run_dir / "train.log").read_text()
 
     client = _client(work)
     exp = client.get_experiment_by_name("wmt14-ende")
-    hashes = [
-        r.data.tags["params_hash"]
-        for r in client.search_runs([exp.experiment_id], filter_string="tags.stage = 'pipeline'")
-    ]
-    assert len(hashes) == len(set(hashes)) == 2  # the first run, and this one, once
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'pipeline'")
+    hashes = [r.data.tags["params_hash"] for r in runs]
+    assert len(hashes) == len(set(hashes))  # each params once, the killed one resumed
+    killed = [c for r in runs for c in _children(client, r.info.run_id)]
+    assert not [c for c in killed if c.info.status == "RUNNING"]  # orphans marked KILLED
+    assert any(c.info.status == "KILLED" for c in killed)
 
 
 def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
@@ -233,7 +264,7 @@ def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
         )
         # Greedy decoding: the served run takes data and training of `first` from Prefect's
         # cache, and really runs decoding and scoring.
-        decoded = set((work / "decode").iterdir())
+        decoded = _folders(work / "decode")
         params = json.dumps({"overrides": [*TINY, "decode.beam_size=1"]})
         run = subprocess.run(
             [prefect, "deployment", "run", "wmt14-ende/smoke", "--params", params,
@@ -243,12 +274,17 @@ def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
         logs = run.stdout[-2000:] + (tmp_path / "serve.log").read_text()[-3000:]
         assert run.returncode == 0, logs
         assert "Completed" in run.stdout, logs
-        new = set((work / "decode").iterdir()) - decoded
+        new = _folders(work / "decode") - decoded
         assert len(new) == 1 and (new.pop() / "scores.json").exists(), logs
     finally:
         for p in reversed(procs):
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=60)
+
+
+def _folders(stage_dir: Path) -> set[Path]:
+    """A stage's output folders (not the hidden locks beside them)."""
+    return {p for p in stage_dir.iterdir() if not p.name.startswith(".")}
 
 
 def _task_runs(state) -> list:

@@ -8,37 +8,56 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer import loss as loss_module
 from transformer.config import TrainConfig
-from transformer.loss import label_smoothed_nll
+from transformer.loss import label_smoothed_loss
 from transformer.optim import build_optimizer, inverse_sqrt_schedule
-
-PAD = 0
 
 
 def test_label_smoothing_hand_computed():
-    # p = (1/4, 1/2, 1/4), target 1: nll = ln 2, mean_v(-log p) = (2 + 1 + 2) ln 2 / 3.
-    logits = torch.log(torch.tensor([[1.0, 2.0, 1.0], [5.0, 1.0, 1.0]]))
-    loss, n = label_smoothed_nll(logits, torch.tensor([1, PAD]), eps=0.1, ignore_index=PAD)
-    assert n.item() == 1
+    # logits log(1, 2, 1): p = (1/4, 1/2, 1/4), target 1: nll = ln 2,
+    # mean_v(-log p) = (2 + 1 + 2) ln 2 / 3.
+    hidden, weight = torch.ones(1, 1), torch.log(torch.tensor([[1.0], [2.0], [1.0]]))
+    loss, nll = label_smoothed_loss(hidden, weight, torch.tensor([1]), 0.1)
+    assert nll.item() == pytest.approx(math.log(2), rel=1e-6)
     assert loss.item() == pytest.approx(0.9 * math.log(2) + 0.1 * 5 / 3 * math.log(2), rel=1e-6)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.2])
-def test_label_smoothing_matches_torch_cross_entropy(eps):
+def test_fused_loss_equals_cross_entropy_over_the_full_logits(eps, monkeypatch):
+    """Chunked projection + one log-softmax == F.cross_entropy on the materialised logits:
+    the sums within 1e-5 (relative) and the gradients of hidden and weight alike."""
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 7 * 11)  # 7 rows a chunk: several chunks
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 11) * 3
-    target = torch.randint(1, 11, (3, 5))
-    target[0, 3:] = PAD
-    loss, n = label_smoothed_nll(logits, target, eps=eps, ignore_index=PAD)
-    expected = F.cross_entropy(
-        logits.view(-1, 11), target.view(-1), label_smoothing=eps, ignore_index=PAD, reduction="sum"
+    hidden = (torch.randn(30, 8) * 2).requires_grad_()
+    weight = torch.randn(11, 8).requires_grad_()
+    target = torch.randint(0, 11, (30,))
+    loss, nll = label_smoothed_loss(hidden, weight, target, eps)
+    logits = hidden @ weight.t()
+    expected = F.cross_entropy(logits, target, label_smoothing=eps, reduction="sum")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        nll, F.cross_entropy(logits, target, reduction="sum"), rtol=1e-5, atol=0
     )
-    assert n.item() == 13
-    torch.testing.assert_close(loss, expected)
-    # bf16 logits are upcast before the softmax: the result is fp32 and agrees to bf16 rounding.
-    loss_bf16, _ = label_smoothed_nll(logits.bfloat16(), target, eps=eps, ignore_index=PAD)
-    assert loss_bf16.dtype == torch.float32
-    torch.testing.assert_close(loss_bf16, expected, rtol=2e-2, atol=0)
+    assert not nll.requires_grad  # reported, never optimised
+    got = torch.autograd.grad(loss * 3.0, [hidden, weight])
+    want = torch.autograd.grad(expected * 3.0, [hidden, weight])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_loss_under_bf16_autocast_projects_in_bf16_and_softmaxes_in_fp32():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(12, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    target = torch.randint(0, 11, (12,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = label_smoothed_loss(hidden, weight, target, 0.1)
+    assert loss.dtype == torch.float32
+    logits = (hidden.bfloat16() @ weight.bfloat16().t()).float()
+    expected = F.cross_entropy(logits, target, label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    loss.backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
 
 
 def test_schedule_hand_computed():
@@ -52,7 +71,7 @@ def test_schedule_hand_computed():
 def make(seed: int):
     torch.manual_seed(seed)
     model = nn.Linear(4, 3)
-    cfg = TrainConfig(warmup_steps=10, adam_betas=(0.9, 0.98), adam_eps=1e-9)
+    cfg = TrainConfig(warmup_steps=10, adam_betas=[0.9, 0.98], adam_eps=1e-9)
     return model, *build_optimizer(model, cfg, d_model=16)
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from transformer.config import ModelConfig, TrainConfig, load_params
-from transformer.loss import label_smoothed_nll
+from transformer.loss import label_smoothed_loss
 from transformer.model import MultiHeadAttention, Transformer
 from transformer.optim import build_optimizer
 from transformer.vocab import BOS, PAD
@@ -56,18 +56,20 @@ def test_padding_leaves_real_positions_unchanged(norm_first):
 
 
 def decode_stepwise(model, src, tgt_in, chunks, reorder=None):
-    """Decode `tgt_in` with a cache, `chunks` positions per call; after the first call,
-    optionally reorder the batch rows (cache, memory and padding alike)."""
+    """Decode `tgt_in` (B, T) with a cache, `chunks` positions per call; the B / B' rows of
+    a source sentence (B' in `src`) share its memory. After the first call, optionally
+    reorder the rows and sources (rows, sources), as beam search does."""
     memory, src_padding = model.encode(src), src == PAD
-    cache, out, start = model.new_cache(), [], 0
+    cache, out, start = model.new_cache(), [], 0  # no room reserved: the cache must grow
     for n in chunks:
         out.append(model.decode(tgt_in[:, start : start + n], memory, src_padding, cache))
         start += n
         assert cache.length == start
         if reorder is not None and len(out) == 1:
-            cache.reorder(reorder)
-            memory, src_padding, tgt_in = memory[reorder], src_padding[reorder], tgt_in[reorder]
-            out = [out[0][reorder]]
+            rows, sources = reorder
+            cache.reorder(rows, sources)
+            memory, src_padding, tgt_in = memory[sources], src_padding[sources], tgt_in[rows]
+            out = [out[0][rows]]
     return torch.cat(out, dim=1)
 
 
@@ -87,9 +89,49 @@ def test_cached_decoding_equals_full_decoding(overrides):
         torch.testing.assert_close(
             decode_stepwise(model, src, tgt_in, chunks), full, atol=1e-5, rtol=0
         )
-    index = torch.tensor([2, 0, 0, 1])  # beam-search-like: repeat rows, change the batch size
-    stepped = decode_stepwise(model, src, tgt_in, [2, 1, 1, 1, 1], reorder=index)
-    torch.testing.assert_close(stepped, full[index], atol=1e-5, rtol=0)
+    # Beam search: 2 hypotheses a sentence sharing its memory; then the last sentence's
+    # second hypothesis takes both places of it, the first one's swap, the middle one leaves.
+    src2, tgt2 = src.repeat_interleave(2, dim=0), tgt_in.repeat_interleave(2, dim=0)
+    tgt2[1::2, 2:] = tokens(3, 4)  # each sentence's two hypotheses differ after 2 positions
+    rows, sources = torch.tensor([5, 5, 1, 0]), torch.tensor([2, 0])
+    stepped = decode_stepwise(model, src, tgt2, [3, 1, 1, 1], reorder=(rows, sources))
+    torch.testing.assert_close(stepped, model(src2[rows], tgt2[rows]), atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_target_rows_sharing_a_source_row_equal_their_own_copies():
+    model, src, tgt = tiny(), tokens(3, 7), tokens(6, 5)
+    src[1, 4:] = PAD
+    memory, padding = model.encode(src), src == PAD
+    shared = model.decode(tgt, memory, padding)  # rows 2i, 2i + 1 share source row i
+    copies = model.decode(tgt, memory.repeat_interleave(2, 0), padding.repeat_interleave(2, 0))
+    torch.testing.assert_close(shared, copies, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "g, steps, reorder_until", [(3, 40, 40), (4, 160, 40)], ids=["short", "long"]
+)
+def test_cache_under_beam_search_reorders_equals_full_decoding(g, steps, reorder_until):
+    """Two sentences of g rows. Each step (until `reorder_until`), every row continues a
+    random row of its sentence, as beam search's hypotheses do: the cached step equals the
+    full decoder over the rows' token histories. Dropped rows leave slots no row sees, which
+    the cache compacts away; the long run passes 512 slots (SDPA's blocks of keys)."""
+    model, src = tiny(), tokens(2, 6)
+    memory, padding = model.encode(src), src == PAD
+    history = torch.full((2 * g, 1), BOS)
+    cache, gen = model.new_cache(steps), torch.Generator().manual_seed(0)
+    for step in range(steps):
+        out = model.decode(history[:, -1:], memory, padding, cache)[:, -1]  # (2g, V)
+        if step % 11 == 0 or step == steps - 1:
+            expected = model.decode(history, memory, padding)[:, -1]
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+        rows = torch.arange(2 * g)
+        if step < reorder_until:
+            rows = (torch.randint(0, g, (2, g), generator=gen) + torch.tensor([[0], [g]])).flatten()
+            cache.reorder(rows)
+        history = torch.cat([history[rows], torch.randint(4, V, (2 * g, 1), generator=gen)], 1)
+    assert cache.length == steps and cache.compacted > 0 and (steps < 128 or cache.filled > 512)
 
 
 @torch.no_grad()
@@ -144,13 +186,20 @@ def test_learned_positions_reject_long_sequences():
         model.decode(tokens(1, 1), memory, torch.zeros(1, 4, dtype=torch.bool), cache)
 
 
+def smoothed_loss(model, src, tgt_in, tgt_out, eps):
+    """(summed loss, number of target tokens), as the trainer computes them."""
+    keep = tgt_out != PAD
+    hidden = model(src, tgt_in, project=False)[keep]  # (N, D)
+    loss, _ = label_smoothed_loss(hidden, model.out_proj.weight, tgt_out[keep], eps)
+    return loss, keep.sum()
+
+
 def test_bf16_autocast_trains():
     model = tiny(attn_dropout=0.1).train()
     src, tgt = tokens(2, 6), tokens(2, 5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(src, tgt)
-    assert logits.dtype == torch.bfloat16
-    loss, n = label_smoothed_nll(logits, tgt, eps=0.1, ignore_index=PAD)
+        assert model(src, tgt).dtype == torch.bfloat16
+        loss, n = smoothed_loss(model, src, tgt, tgt, eps=0.1)
     (loss / n).backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -164,7 +213,7 @@ def test_tiny_model_overfits_a_fixed_batch():
     cfg = TrainConfig(warmup_steps=30, lr_scale=0.5)
     optimizer, scheduler = build_optimizer(model, cfg, d_model=32)
     for _ in range(100):
-        loss, n = label_smoothed_nll(model(src, tgt_in), tgt, eps=0.0, ignore_index=PAD)
+        loss, n = smoothed_loss(model, src, tgt_in, tgt, eps=0.0)
         optimizer.zero_grad()
         (loss / n).backward()
         optimizer.step()

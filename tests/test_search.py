@@ -1,5 +1,6 @@
 """Greedy and beam search on stub models whose next-token probabilities are set by hand,
-so the right answer is known exactly; then on a tiny random Transformer."""
+so the right answer is known exactly; then on a tiny random Transformer, ensembles, and a
+trained smoke model."""
 
 import math
 import subprocess
@@ -8,11 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 from transformer.search import Hypothesis, beam_search, greedy_search
+from transformer.translate import batch_by_tokens, load_translator, pad_batch
 from transformer.vocab import BOS, EOS, PAD, UNK
+
+ROOT = Path(__file__).resolve().parents[1]
 
 A, B = 4, 5  # two ordinary tokens
 
@@ -22,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class StubCache:
-    """Keeps each row's prefix and memory; reorder() moves them like a real KV cache."""
+    """Keeps each row's prefix and each sentence's memory; reorder() moves them as the real
+    KV cache moves its keys and values."""
 
     def __init__(self):
         self.prefix = self.memory = self.pad = None
@@ -31,18 +38,24 @@ class StubCache:
     def length(self) -> int:
         return 0 if self.prefix is None else self.prefix.size(1)
 
-    def reorder(self, index):
-        self.prefix, self.memory, self.pad = self.prefix[index], self.memory[index], self.pad[index]
+    def reorder(self, rows, sources=None):
+        """As the real cache: a row may only continue a row of its own sentence."""
+        kept = torch.arange(self.memory.size(0)) if sources is None else sources
+        sentence = kept.repeat_interleave(rows.size(0) // kept.size(0))  # of each new row
+        assert torch.equal(rows // (self.prefix.size(0) // self.memory.size(0)), sentence)
+        self.prefix, self.memory, self.pad = self.prefix[rows], self.memory[kept], self.pad[kept]
 
 
 class StubModel:
     """Next-token log-probabilities from `dist(source, prefix)`: source = the real source
-    ids (padding dropped), prefix = the tokens after BOS. `rows` records each decode's batch."""
+    ids (padding dropped), prefix = the tokens after BOS. As the Transformer, it takes
+    one memory row per sentence, shared by consecutive target rows. `rows` records each
+    decode's batch."""
 
     def __init__(self, dist, vocab: int):
         self.dist, self.vocab, self.rows = dist, vocab, []
 
-    def new_cache(self):
+    def new_cache(self, max_len: int = 0):
         return StubCache()
 
     def encode(self, src):
@@ -57,6 +70,11 @@ class StubModel:
             prefix, memory, src_padding = cache.prefix, cache.memory, cache.pad
         assert (prefix[:, 0] == BOS).all()
         self.rows.append(prefix.size(0))
+        group = prefix.size(0) // memory.size(0)
+        memory, src_padding = (
+            memory.repeat_interleave(group, 0),
+            src_padding.repeat_interleave(group, 0),
+        )
         last = [
             self.dist(tuple(mem[~pad, 0].long().tolist()), tuple(pre[1:].tolist()))
             for mem, pad, pre in zip(memory, src_padding, prefix, strict=True)
@@ -154,7 +172,7 @@ def test_limits_follow_each_source_length_and_finished_sentences_leave_the_batch
     assert model.rows == [4, 4, 3, 2, 1]
     model = StubModel(always_a, 5)
     beam_search(model, src, 2, 1.0, 1.0, 0)
-    assert model.rows == [8, 8, 6, 4, 2]
+    assert model.rows == [4, 8, 6, 4, 2]  # the first step extends each BOS once
 
 
 def random_tree(vocab: int):
@@ -234,8 +252,8 @@ class Ending:
         return logits
 
 
-def tiny_transformer(vocab: int = 40) -> Ending:
-    torch.manual_seed(0)
+def tiny_transformer(vocab: int = 40, seed: int = 0) -> Ending:
+    torch.manual_seed(seed)
     cfg = ModelConfig(n_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
     model = Transformer(cfg, vocab).eval()
     with torch.no_grad():  # large weights: outputs that depend more on their context
@@ -276,8 +294,104 @@ def test_real_model_batch_independence_and_beam_one_is_greedy():
     assert len({len(h[0].tokens) for h in together}) > 2  # real endings, not all at the limit
 
 
+class HostReads(TorchDispatchMode):
+    """Counts what makes a GPU wait for the host: reading values (tolist, item, bool, int)
+    and ops whose output size depends on values (nonzero, boolean-mask indexing)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.count = 0
+        tolist = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: self.read() or tolist(t))
+
+    def read(self) -> None:
+        self.count += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        masks = name.startswith("index.") and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        )
+        if masks or name.split(".")[0] in (
+            "item",
+            "_local_scalar_dense",
+            "nonzero",
+            "masked_select",
+        ):
+            self.read()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("search", ["beam", "greedy"])
+def test_the_search_reads_the_host_once_a_step(search, monkeypatch):
+    """One read a step (which sentences are done), and a few a batch: the lengths, the
+    results, and one per compaction of the cache (as its slots double)."""
+    model, src = tiny_transformer(), batch(*real_sources(12))
+    decode, steps = model.decode, []
+    model.decode = lambda *args: steps.append(1) or decode(*args)
+    with HostReads(monkeypatch) as reads:
+        if search == "beam":
+            beam_search(model, src, 4, 0.6, 1.0, 5)
+        else:
+            greedy_search(model, src, 1.0, 5)
+    assert len(steps) >= 8
+    assert reads.count <= len(steps) + 3
+
+
+# --------------------------------------------------------------------------- ensembles
+
+
+def test_an_ensemble_of_a_model_with_itself_is_the_model():
+    model, src = tiny_transformer(), batch(*real_sources())
+    alone = beam_search(model, src, 4, 0.6, 1.0, 5, n_best=3)
+    assert_same(beam_search([model, model], src, 4, 0.6, 1.0, 5, n_best=3), alone)
+    assert greedy_search([model, model], src, 1.0, 5) == greedy_search(model, src, 1.0, 5)
+
+
+def mean_probability_logprob(models, source: list[int], tokens: list[int]) -> float:
+    """sum over the steps of log(mean of the members' p(token | prefix)), EOS included,
+    each member decoding the whole prefix without a cache."""
+    src, tgt = batch(source), torch.tensor([[BOS, *tokens]])
+    with torch.no_grad():
+        probs = [F.softmax(m.decode(tgt, m.encode(src), src == PAD)[0], -1) for m in models]
+    mean = torch.stack(probs).mean(0)  # (T + 1, V)
+    return mean[torch.arange(len(tokens) + 1), [*tokens, EOS]].log().sum().item()
+
+
+def test_an_ensemble_predicts_the_mean_of_its_members_probabilities():
+    models, sources = [tiny_transformer(seed=0), tiny_transformer(seed=1)], real_sources()
+    found = beam_search(models, batch(*sources), 4, 0.6, 1.0, 5, n_best=4)
+    alone = beam_search(models[0], batch(*sources), 4, 0.6, 1.0, 5)
+    assert [h[0].tokens for h in found] != [h[0].tokens for h in alone]
+    for source, hyps in zip(sources, found, strict=True):
+        for h in hyps:
+            assert h.logprob == pytest.approx(
+                mean_probability_logprob(models, source, h.tokens), abs=1e-4
+            )
+
+
+# --------------------------------------------------------------------------- a trained model
+
+
+def test_trained_model_search_equals_the_uncached_reference_on_the_smoke_test_set(smoke_model):
+    """The whole smoke test set, batched as translate does: the cache, the shared memory and
+    the compaction change nothing against re-running the decoder over every prefix."""
+    model, sp, _ = load_translator(smoke_model, "cpu")
+    lines = (ROOT / "data/smoke/test.en").read_text(encoding="utf-8").splitlines()
+    sources = sp.encode(lines, add_eos=True)
+    for rows in batch_by_tokens(sources, 4000):
+        src = pad_batch([sources[j] for j in rows], "cpu")
+        fast, reference = (
+            beam_search(model, src, 4, 0.6, 1.0, 50, cached=c) for c in (True, False)
+        )
+        assert_same(fast, reference)
+        assert greedy_search(model, src, 1.0, 50) == greedy_search(
+            model, src, 1.0, 50, cached=False
+        )
+
+
 def test_decode_benchmark_runs_and_outputs_end_with_their_sources():
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     argv = ["--sentences", "8", "--modes", "beam,greedy", "--threads", "1", "--device", "cpu"]
     out = subprocess.run(
         [sys.executable, root / "benchmarks/decode.py", *argv],

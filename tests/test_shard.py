@@ -13,7 +13,7 @@ import sentencepiece as spm
 
 from transformer.config import ShardConfig
 from transformer.data import DataError, shard
-from transformer.data.shard import encode_and_shard, verify_shards
+from transformer.data.shard import VERIFIED, encode_and_shard, verify_shards
 from transformer.vocab import EOS, PAD
 
 WORDS_EN = [
@@ -213,22 +213,35 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_verify_names_a_corrupt_or_truncated_file(shards, tmp_path):
+def test_verify_names_a_corrupt_or_truncated_file_and_checksums_once(shards, tmp_path):
     damaged = _copy(shards, tmp_path / "flip")
+    verify_shards(damaged)  # checksums read once, then stamped
+    stamp = damaged / VERIFIED
+    assert stamp.is_file()
     victim = damaged / "train" / "b0002-0000.arrow"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte off: only the checksum sees it
-    victim.write_bytes(bytes(data))
-    verify_shards(damaged, checksum=False)
+    victim.write_bytes(bytes(data))  # a write: a new modification time, so verified again
     with pytest.raises(DataError, match=r"b0002-0000\.arrow: sha256"):
         verify_shards(damaged)
+
+    tampered = _copy(shards, tmp_path / "manifest")
+    manifest = json.loads((tampered / "manifest.json").read_text())
+    manifest["roles"]["test"]["files"][0]["sha256"] = "0" * 64
+    (tampered / "manifest.json").write_text(json.dumps(manifest))
+    name = manifest["roles"]["test"]["files"][0]["path"]
+    with pytest.raises(DataError, match=f"{name}: sha256"):
+        verify_shards(tampered)
 
     truncated = _copy(shards, tmp_path / "cut")
     victim = truncated / "valid" / "b0001-0000.arrow"
     victim.write_bytes(victim.read_bytes()[:-100])
     with pytest.raises(DataError, match=r"b0001-0000\.arrow: \d+ bytes"):
-        verify_shards(truncated, checksum=False)
+        verify_shards(truncated)
 
+    (truncated / "manifest.json").write_text('{"format": "transformer-mt/shards/1"}')
+    with pytest.raises(DataError, match="malformed manifest"):
+        verify_shards(truncated)
     (truncated / "manifest.json").unlink()
     with pytest.raises(DataError, match="no manifest"):
         verify_shards(truncated)

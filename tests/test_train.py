@@ -1,5 +1,6 @@
 """The trainer end to end on a tiny model: logs, checkpoints, exact resume after a kill,
-refusal to resume another run, corrupt checkpoints, non-finite updates, signals."""
+operational changes resumed and identity changes refused, corrupt checkpoints, non-finite
+updates, early stopping, signals."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 import transformer.train as train_module
-from transformer.checkpoint import best_path, list_checkpoints, load_checkpoint, load_file
+from transformer import checkpoint as ckpt
 from transformer.config import load_params, to_dict
-from transformer.train import main
+from transformer.train import batch_plan, main
 
 ROOT = Path(__file__).resolve().parents[1]
 # One thread: on a shared 2-core machine, two spinning OpenMP threads per process make a
@@ -63,12 +64,16 @@ def cli(params: Path, shards: Path, out: Path, *extra: str) -> list[str]:
 
 
 def final_state(run_dir: Path) -> dict:
-    return load_checkpoint(list_checkpoints(run_dir)[-1], mmap=False)
+    return ckpt.load_typed(ckpt.list_files(run_dir, "state")[-1], ckpt.STATE_FORMAT)
+
+
+def names(run_dir: Path, kind: str) -> list[str]:
+    return [p.name for p in ckpt.list_files(run_dir, kind)]
 
 
 def assert_same_training(a: dict, b: dict) -> None:
     """Bitwise: model, optimizer moments, schedule, data position, step."""
-    assert a["step"] == b["step"]
+    assert a["step"] == b["step"] and a["progress"] == b["progress"]
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     for pid, moments in a["optimizer"]["state"].items():
@@ -94,12 +99,9 @@ def tiny_run(tiny_params, tiny_shards, tmp_path_factory):
 def test_trains_logs_and_keeps_the_last_checkpoints(tiny_run, tiny_shards):
     rc, out, logger = tiny_run
     assert rc == 0
-    assert [p.name for p in list_checkpoints(out)] == [
-        "step-0000004.pt",
-        "step-0000006.pt",
-        "step-0000008.pt",
-    ]
-    assert best_path(out).is_file()
+    # Snapshots: the last keep_last (3); training states: the newest two.
+    assert names(out, "model") == ["model-0000004.pt", "model-0000006.pt", "model-0000008.pt"]
+    assert names(out, "state") == ["state-0000006.pt", "state-0000008.pt"]
     assert (out / "spm.model").read_bytes() == (tiny_shards / "spm.model").read_bytes()
     expected = {
         "train/loss",
@@ -112,6 +114,7 @@ def test_trains_logs_and_keeps_the_last_checkpoints(tiny_run, tiny_shards):
         "valid/loss",
         "valid/ppl",
         "valid/bleu",
+        "valid/best",
     }
     assert expected <= logger.keys()
     assert [s for s, m in logger.records if "train/loss" in m] == [2, 4, 6, 8]
@@ -123,11 +126,11 @@ def test_trains_logs_and_keeps_the_last_checkpoints(tiny_run, tiny_shards):
 
 def test_checkpoint_describes_itself(tiny_run, tiny_params, tiny_shards):
     _, out, _ = tiny_run
-    state = load_file(out / "checkpoints" / "step-0000008.pt")  # weights_only=True
+    state = ckpt.load_file(out / "checkpoints" / "state-0000008.pt")  # weights_only=True
     params = load_params(tiny_params, ["train.valid_bleu=true"])
     assert state["params"] == to_dict(params)
-    assert state["step"] == state["train_state"]["step"] == 8
-    assert state["train_state"]["tokens_seen"] > 0
+    assert state["step"] == state["progress"]["step"] == 8
+    assert state["progress"]["tokens_seen"] > 0
     assert (
         state["data_fingerprint"]
         == __import__("json").loads((tiny_shards / "manifest.json").read_text())["fingerprint"]
@@ -135,16 +138,22 @@ def test_checkpoint_describes_itself(tiny_run, tiny_params, tiny_shards):
     assert state["world_size"] == 1 and len(state["rng"]) == 1
     assert set(state["rng"][0]) == {"torch", "cuda", "python", "numpy"}
     assert state["data"]["consumed"] == 8  # update_freq 1: a batch per step
-    assert set(state) >= {"model", "optimizer", "scheduler"}
+    assert set(state) >= {"model", "optimizer", "scheduler", "early_stopping", "checkpoints"}
+    assert [s["step"] for s in state["checkpoints"]["snapshots"]] == [4, 6, 8]
+    snapshot = ckpt.load_file(out / "checkpoints" / "model-0000008.pt")
+    assert set(snapshot) == {"format", "params", "data_fingerprint", "metric",
+                             "higher_is_better", "step", "score", "model"}  # fmt: skip
+    assert snapshot["score"] == state["early_stopping"]["best"]  # the last is the best here
 
 
 def test_rerun_of_a_finished_run_is_a_no_op(tiny_run, tiny_params, tiny_shards):
     _, out, _ = tiny_run
-    before = {p.name: p.stat().st_mtime_ns for p in list_checkpoints(out)}
+    files = lambda: {p.name: p.stat().st_mtime_ns for p in (out / "checkpoints").iterdir()}
+    before = files()
     logger = ListLogger()
     assert train(tiny_params, tiny_shards, out, "train.valid_bleu=true", logger=logger) == 0
     assert logger.records == []
-    assert {p.name: p.stat().st_mtime_ns for p in list_checkpoints(out)} == before
+    assert files() == before
 
 
 def test_missing_shards_exit_2(tiny_params, tmp_path, capsys):
@@ -159,7 +168,9 @@ def test_extending_max_steps_continues_the_same_trajectory(tiny_params, tiny_sha
     assert_same_training(final_state(tmp_path / "a"), final_state(tmp_path / "b"))
 
 
-def test_resuming_with_other_params_is_refused(tiny_params, tiny_shards, tmp_path, capsys, caplog):
+def test_operational_changes_resume_and_identity_changes_are_refused(
+    tiny_params, tiny_shards, tmp_path, capsys, caplog
+):
     out = tmp_path / "run"
     assert train(tiny_params, tiny_shards, out, "train.max_steps=2") == 0
     capsys.readouterr()
@@ -169,52 +180,45 @@ def test_resuming_with_other_params_is_refused(tiny_params, tiny_shards, tmp_pat
     assert "model.d_model: 32 in checkpoint, 64 now" in err
     assert "train.lr_scale: 2.0 in checkpoint, 1.0 now" in err
     assert "--allow-param-change" in err and "--reset" in err
-    # A schedule change can be forced; a model of another shape cannot be loaded at all.
-    assert (
-        train(
-            tiny_params,
-            tiny_shards,
-            out,
-            "train.max_steps=3",
-            "train.lr_scale=1.0",
-            "--allow-param-change",
-        )
-        == 0
-    )
-    assert final_state(out)["step"] == 3
-    # Other batches (max_tokens): the data position becomes the same point of the epoch.
+    # Operational keys (cadences, how long, the per-pass memory bound) just resume; a
+    # smaller max_tokens splits the same updates in two: the batches differ, so the data
+    # position continues at the same point of the epoch.
     caplog.set_level("WARNING", logger="transformer")
+    operational = ["train.max_steps=3", "train.log_every=1", "train.valid_every=3",
+                   "train.save_every=3", "train.keep_last=4", "train.max_tokens=128"]  # fmt: skip
+    assert train(tiny_params, tiny_shards, out, *operational) == 0
+    assert final_state(out)["step"] == 3
+    assert "data position" in caplog.text and "max_tokens 256 -> 128" in caplog.text
+    # An identity change can be forced; a model of another shape cannot be loaded at all.
+    forced = ["train.max_steps=4", "train.lr_scale=1.0", "--allow-param-change"]
+    assert train(tiny_params, tiny_shards, out, *forced) == 0
+    assert final_state(out)["step"] == 4
+    assert "resuming despite a difference" in caplog.text
     assert (
         train(
             tiny_params,
             tiny_shards,
             out,
-            "train.max_steps=4",
-            "train.lr_scale=1.0",
-            "train.max_tokens=300",
-            "--allow-param-change",
-        )
-        == 0
-    )
-    assert "data position" in caplog.text and "train.max_tokens: 256" in caplog.text
-    assert (
-        train(
-            tiny_params,
-            tiny_shards,
-            out,
-            "train.max_steps=4",
+            "train.max_steps=5",
             "model.d_model=64",
             "--allow-param-change",
         )
         == 2
     )
-    assert "does not fit this model" in capsys.readouterr().err
+    assert "does not fit this run" in capsys.readouterr().err
     assert (
         train(tiny_params, tiny_shards, out, "train.max_steps=2", "model.d_model=64", "--reset")
         == 0
     )
-    assert [p.name for p in list_checkpoints(out)] == ["step-0000002.pt"]
+    assert names(out, "state") == ["state-0000002.pt"]
     assert final_state(out)["params"]["model"]["d_model"] == 64
+
+
+def test_the_update_is_the_same_on_any_number_of_gpus():
+    assert batch_plan(32768, 32768, 1) == (1, 32768)  # one H100: one pass
+    assert batch_plan(32768, 32768, 8) == (1, 4096)  # the paper's 8 GPUs x 4096
+    assert batch_plan(32768, 8192, 1) == (4, 8192)  # a smaller GPU accumulates
+    assert batch_plan(32768, 8192, 2) == (2, 8192)
 
 
 def test_resuming_on_other_data_is_refused(tiny_params, tiny_shards, tmp_path, capsys):
@@ -225,19 +229,17 @@ def test_resuming_on_other_data_is_refused(tiny_params, tiny_shards, tmp_path, c
     out = tmp_path / "run"
     assert train(tiny_params, tiny_shards, out, "train.max_steps=2") == 0
     assert train(tiny_params, other, out, "train.max_steps=4") == 2
-    assert "data fingerprint differs" in capsys.readouterr().err
+    assert "other shards" in capsys.readouterr().err
 
 
-def test_a_corrupt_latest_checkpoint_is_named_and_skipped(
-    tiny_params, tiny_shards, tmp_path, caplog
-):
+def test_a_corrupt_latest_state_is_named_and_skipped(tiny_params, tiny_shards, tmp_path, caplog):
     out = tmp_path / "run"
     assert train(tiny_params, tiny_shards, out, "train.max_steps=6") == 0
     good = final_state(out)
-    latest = list_checkpoints(out)[-1]
+    latest = ckpt.list_files(out, "state")[-1]
     latest.write_bytes(latest.read_bytes()[:1000])  # a torn file (a disk failure)
     assert train(tiny_params, tiny_shards, out, "train.max_steps=6") == 0
-    assert "step-0000006.pt" in caplog.text and "step 4" in caplog.text
+    assert "state-0000006.pt" in caplog.text and "step 4" in caplog.text
     assert_same_training(good, final_state(out))  # retrained from step 4, identically
 
 
@@ -245,32 +247,75 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(
     tiny_params, tiny_shards, tmp_path, monkeypatch, caplog
 ):
     out = tmp_path / "run"
-    real = train_module.label_smoothed_nll
+    real = train_module.label_smoothed_loss
     calls = []
 
-    def nan_on_third_call(logits, target, eps, ignore_index):
+    def nan_on_third_call(hidden, weight, target, eps):
         calls.append(1)
-        loss, n = real(logits, target, eps, ignore_index)
-        return (loss * float("nan") if len(calls) == 3 else loss), n
+        loss, nll = real(hidden, weight, target, eps)
+        return (loss * float("nan") if len(calls) == 3 else loss), nll
 
-    monkeypatch.setattr(train_module, "label_smoothed_nll", nan_on_third_call)
+    monkeypatch.setattr(train_module, "label_smoothed_loss", nan_on_third_call)
     logger = ListLogger()
     assert train(tiny_params, tiny_shards, out, "train.max_steps=4", logger=logger) == 0
-    assert final_state(out)["train_state"]["bad_steps_total"] == 1
+    assert final_state(out)["progress"]["bad_steps_total"] == 1
     assert final_state(out)["data"]["consumed"] == 5  # the skipped update's batch is used up
     assert [m["train/bad_steps"] for _, m in logger.records if "train/bad_steps" in m] == [1]
 
-    before = {p.name: p.read_bytes() for p in list_checkpoints(out)}
+    before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
 
-    def always_nan(logits, target, eps, ignore_index):
-        loss, n = real(logits, target, eps, ignore_index)
-        return loss * float("nan"), n
+    def always_nan(hidden, weight, target, eps):
+        loss, nll = real(hidden, weight, target, eps)
+        return loss * float("nan"), nll
 
-    monkeypatch.setattr(train_module, "label_smoothed_nll", always_nan)
+    monkeypatch.setattr(train_module, "label_smoothed_loss", always_nan)
     rc = train(tiny_params, tiny_shards, out, "train.max_steps=8", "train.max_bad_steps=3")
     assert rc == 1
-    assert "3 non-finite updates in a row" in caplog.text and "step-0000004.pt" in caplog.text
-    assert {p.name: p.read_bytes() for p in list_checkpoints(out)} == before
+    assert "3 non-finite updates in a row" in caplog.text
+    assert "the last saved state: step 4" in caplog.text
+    assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
+
+
+def test_early_stopping_keeps_its_count_and_best_across_a_resume(
+    tiny_params, tiny_shards, tmp_path, monkeypatch, caplog
+):
+    """Patience 2 on valid/loss, validating every step. A validation that never improves
+    after step 3 (faked) stops the run at step 5; killed after step 4 instead, the resumed
+    run still stops at 5, with the same best."""
+    scores = {1: 5.0, 2: 4.0, 3: 3.0, 4: 3.5, 5: 3.2, 6: 3.1}
+    step = {"n": 0}
+
+    def fake_validate(*args, **kwargs):
+        step["n"] += 1
+        return {"valid/loss": scores[step["n"]], "valid/ppl": 1.0}
+
+    monkeypatch.setattr(train_module, "validate", fake_validate)
+    common = ["train.valid_every=1", "train.save_every=1", "train.patience=2",
+              "train.keep_last=1", "train.keep_best=2", "average.last_n=1"]  # fmt: skip
+    caplog.set_level("INFO", logger="transformer")
+    straight = tmp_path / "straight"
+    assert train(tiny_params, tiny_shards, straight, *common, "train.max_steps=8") == 0
+    assert final_state(straight)["step"] == 5
+    assert (
+        "early stop: no better valid/loss in 2 validations; the best, 3, at step 3" in caplog.text
+    )
+    # The best two (3.0 at step 3, 3.2 at 5) and the last (5) are kept.
+    assert names(straight, "model") == ["model-0000003.pt", "model-0000005.pt"]
+
+    step["n"] = 0
+    resumed = tmp_path / "resumed"
+    assert train(tiny_params, tiny_shards, resumed, *common, "train.max_steps=4") == 0
+    state = final_state(resumed)["early_stopping"]
+    assert (state["best"], state["best_step"], state["bad"]) == (3.0, 3, 1)
+    assert train(tiny_params, tiny_shards, resumed, *common, "train.max_steps=8") == 0
+    assert final_state(resumed)["step"] == 5
+    assert final_state(resumed)["early_stopping"] == final_state(straight)["early_stopping"]
+    # Stopped: a rerun has nothing to do; a larger patience trains on.
+    assert train(tiny_params, tiny_shards, resumed, *common, "train.max_steps=8") == 0
+    assert "stopped early" in caplog.text
+    assert train(tiny_params, tiny_shards, resumed, *common[:2], "train.patience=3",
+                 *common[3:], "train.max_steps=8") == 0  # fmt: skip
+    assert final_state(resumed)["step"] == 6
 
 
 def test_params_errors_are_one_line_and_exit_2(tiny_shards, tmp_path, capsys):
@@ -292,7 +337,7 @@ def test_cpu_precision_is_stated(tiny_params, tiny_shards, tmp_path, caplog):
 
 KILL_PARAMS = [
     "train.max_steps=40",
-    "train.update_freq=2",
+    "train.batch_tokens=512",  # two micro-batches of 256 an update
     "train.save_every=5",
     "train.valid_every=20",
     "train.log_every=10",
@@ -330,7 +375,7 @@ def _start_and_wait(cmd: list[str], first_checkpoint: Path) -> subprocess.Popen:
 def test_resume_after_sigkill_is_bitwise_exact(straight, tiny_params, tiny_shards, tmp_path):
     out = tmp_path / "run"
     cmd = cli(tiny_params, tiny_shards, out, *KILL_PARAMS)
-    proc = _start_and_wait(cmd, out / "checkpoints" / "step-0000010.pt")
+    proc = _start_and_wait(cmd, out / "checkpoints" / "state-0000010.pt")
     proc.kill()  # SIGKILL: no chance to save
     proc.wait()
     killed_at = final_state(out)["step"]
@@ -346,7 +391,7 @@ def test_sigterm_finishes_the_update_saves_and_exits_143(
 ):
     out = tmp_path / "run"
     cmd = cli(tiny_params, tiny_shards, out, *KILL_PARAMS)
-    proc = _start_and_wait(cmd, out / "checkpoints" / "step-0000005.pt")
+    proc = _start_and_wait(cmd, out / "checkpoints" / "state-0000005.pt")
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, output
@@ -365,7 +410,7 @@ def test_a_rank_orphaned_by_a_killed_torchrun_saves_and_exits(tiny_params, tiny_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "1", "-m", "transformer.train", *cli(tiny_params, tiny_shards, out, *KILL_PARAMS)[3:],
            "train.max_steps=100000"]  # fmt: skip
-    proc = _start_and_wait(cmd, out / "checkpoints" / "step-0000005.pt")
+    proc = _start_and_wait(cmd, out / "checkpoints" / "state-0000005.pt")
     proc.kill()  # torchrun only: the rank is in another session
     proc.wait()
     rerun = subprocess.run(  # takes the lock only once the orphan has saved and exited

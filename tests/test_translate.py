@@ -5,6 +5,7 @@ import dataclasses
 import io
 import os
 import random
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,14 @@ import torch
 
 from transformer.checkpoint import ModelFile, load_model_file, save_model_file
 from transformer.config import DecodeConfig, ModelConfig, load_params, to_dict
-from transformer.evaluate import detokenize
 from transformer.model import Transformer
-from transformer.search import greedy_search
-from transformer.translate import load_translator, main, translate_lines
+from transformer.search import beam_search, greedy_search
+from transformer.translate import (
+    batch_by_tokens,
+    load_translator,
+    main,
+    translate_lines,
+)
 from transformer.vocab import BOS, EOS, PAD, UNK
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +42,8 @@ LINES = [
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def train_spm() -> bytes:
-    rng = random.Random(0)
+def train_spm(seed: int = 0) -> bytes:
+    rng = random.Random(seed)
     words = WORDS.split()
     corpus = [" ".join(rng.choices(words, k=rng.randint(3, 12))) for _ in range(300)]
     model = io.BytesIO()
@@ -56,16 +61,30 @@ def train_spm() -> bytes:
     return model.getvalue()
 
 
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
+def write_model_file(path: Path, seed: int = 0, spm_seed: int = 0) -> Path:
     params = load_params(ROOT / "params/smoke.yaml", ["model.dropout=0.0", "decode.max_len_b=8"])
-    spm_model = train_spm()
+    spm_model = train_spm(spm_seed)
     sp = spm.SentencePieceProcessor(model_proto=spm_model)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Transformer(params.model, vocab_size=sp.get_piece_size())
-    path = tmp_path_factory.mktemp("model") / "model.pt"
     save_model_file(path, ModelFile(to_dict(params), model.state_dict(), spm_model, {"step": 0}))
     return path
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    return write_model_file(tmp_path_factory.mktemp("model") / "model.pt")
+
+
+def run_cli(argv: list[str], stdin: bytes = b"") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "transformer.translate", *argv],
+        input=stdin,
+        capture_output=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # see conftest.one_thread()
+        timeout=120,
+    )
 
 
 def test_translate_lines_keeps_order_and_empty_lines_and_batches_alike(model_file):
@@ -86,7 +105,7 @@ def test_beam_one_is_greedy_and_outputs_are_detokenized(model_file):
     cfg = DecodeConfig(beam_size=1, max_len_b=8)
     out = translate_lines(model, sp, LINES[:1], cfg, "cpu")
     src = torch.tensor([sp.encode(LINES[0], add_eos=True)])
-    assert out == detokenize(sp, greedy_search(model, src, 1.0, 8))
+    assert out == sp.decode(greedy_search(model, src, 1.0, 8))
 
 
 def test_command_line_file_to_file(model_file, tmp_path):
@@ -99,17 +118,81 @@ def test_command_line_file_to_file(model_file, tmp_path):
 
 
 def test_command_line_reads_stdin_and_writes_stdout(model_file):
-    out = subprocess.run(
-        [sys.executable, "-m", "transformer.translate", "--model", str(model_file), "--beam", "2"],
-        input=b"a house\n\nthe cat\n",
-        capture_output=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},  # see conftest.one_thread()
-        timeout=120,
-    )
+    out = run_cli(["--model", str(model_file), "--beam", "2"], b"a house\n\nthe cat")
     assert out.returncode == 0, out.stderr.decode()
-    lines = out.stdout.decode("utf-8").split("\n")
+    lines = out.stdout.decode("utf-8").split("\n")  # the last line needs no "\n"
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
+
+
+def test_command_line_translates_each_line_of_a_pipe_as_it_comes(model_file):
+    """Interactive use: the answer to a line comes before the next line is written."""
+    argv = [sys.executable, "-m", "transformer.translate", "--model", str(model_file)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env
+    ) as p:
+        for line in LINES[:3]:
+            p.stdin.write(line.encode() + b"\n")
+            p.stdin.flush()
+            assert select.select([p.stdout], [], [], 120)[0], "no answer to a line"
+            assert p.stdout.readline().endswith(b"\n")
+        p.stdin.close()
+        assert p.stdout.read() == b"" and p.wait(timeout=60) == 0
+
+
+def test_nbest_lists_the_beams_best_hypotheses_in_moses_format(model_file, tmp_path):
+    src, hyp = tmp_path / "src.txt", tmp_path / "nbest.txt"
+    src.write_text("\n".join(LINES[:3]) + "\n", encoding="utf-8")
+    argv = ["--model", str(model_file), "--input", str(src), "--output", str(hyp)]
+    assert main([*argv, "--nbest", "3", "--beam", "4"]) == 0
+    entries = [line.split(" ||| ") for line in hyp.read_text(encoding="utf-8").splitlines()]
+    assert [e[0] for e in entries] == ["0"] * 3 + ["1"] + ["2"] * 3  # line 1 is empty
+    assert entries[3][1:] == ["", "0.000000"]
+    model, sp, params = load_translator(model_file, "cpu")
+    src_ids = torch.tensor([sp.encode(LINES[2], add_eos=True)])
+    (found,) = beam_search(model, src_ids, 4, params.decode.len_penalty, 1.0, 8, n_best=3)
+    assert [e[1] for e in entries[4:]] == [sp.decode(h.tokens) for h in found]
+    assert [float(e[2]) for e in entries[4:]] == pytest.approx([h.score for h in found], abs=1e-5)
+    # The first of each n-best list is the translation; --nbest 1 gives it with its score.
+    assert main([*argv, "--beam", "4"]) == 0
+    assert hyp.read_text(encoding="utf-8").splitlines() == [entries[0][1], "", entries[4][1]]
+    assert main([*argv, "--beam", "4", "--nbest", "1"]) == 0
+    firsts = [" ||| ".join(e) for e in (entries[0], entries[3], entries[4])]
+    assert hyp.read_text(encoding="utf-8").splitlines() == firsts
+
+
+def test_options_override_the_params_and_batches_do_not_change_outputs(model_file, tmp_path):
+    src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
+    src.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    argv = ["--model", str(model_file), "--input", str(src), "--output", str(hyp)]
+    assert main([*argv, "--device", "cpu"]) == 0
+    default = hyp.read_text(encoding="utf-8")
+    assert main([*argv, "--batch-size", "1", "--max-tokens", "100"]) == 0
+    assert hyp.read_text(encoding="utf-8") == default
+    assert main([*argv, "--max-len-a", "0", "--max-len-b", "2", "--lenpen", "1.0"]) == 0
+    _, sp, _ = load_translator(model_file, "cpu")
+    assert all(len(sp.encode(line)) <= 2 for line in hyp.read_text(encoding="utf-8").splitlines())
+
+
+def test_batches_respect_both_bounds():
+    sources = [[7] * n for n in (5, 1, 9, 3, 3, 7, 2, 8)]
+    batches = list(batch_by_tokens(sources, max_tokens=16, max_sentences=2))
+    assert sorted(j for b in batches for j in b) == list(range(8))
+    for b in batches:
+        assert len(b) <= 2 and len(b) * max(len(sources[j]) for j in b) <= 16
+    assert [len(b) for b in batch_by_tokens(sources, max_tokens=100)] == [8]
+
+
+def test_an_ensemble_of_a_model_with_itself_translates_as_the_model(model_file, tmp_path):
+    src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
+    src.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    argv = ["--input", str(src), "--output", str(hyp), "--model", str(model_file)]
+    assert main(argv) == 0
+    alone = hyp.read_text(encoding="utf-8")
+    assert main([*argv, "--model", str(model_file)]) == 0
+    assert hyp.read_text(encoding="utf-8") == alone
+    other = write_model_file(tmp_path / "other.pt", seed=1)
+    assert main([*argv, "--model", str(other)]) == 0  # a real ensemble: it runs
 
 
 def one_line_error(capsys, argv) -> str:
@@ -140,7 +223,49 @@ def test_unreadable_or_mismatched_model_files_are_one_line_errors(model_file, tm
     assert "invalid params: decode.beam_size" in one_line_error(capsys, ["--model", str(other)])
 
     argv = ["--model", str(model_file), "--beam", "0", "--input", str(garbage)]
-    assert "decode.beam_size" in one_line_error(capsys, argv)
+    assert "--beam" in one_line_error(capsys, argv)
+
+
+def test_user_errors_are_one_line_before_any_decoding(model_file, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "src.txt"
+    src.write_text("a house\n", encoding="utf-8")
+    model = ["--model", str(model_file)]
+    # Paths are checked before the model is loaded (or anything decoded).
+    missing = str(tmp_path / "missing" / "dir" / "out")
+    err = one_line_error(capsys, [*model, "--input", str(src), "--output", missing])
+    assert "--output" in err and "missing/dir/out" in err
+    assert "--input" in one_line_error(capsys, [*model, "--input", str(tmp_path / "none")])
+    assert "is the --input file" in one_line_error(
+        capsys, [*model, "--input", str(src), "--output", str(src)]
+    )
+    assert src.read_text(encoding="utf-8") == "a house\n"
+    argv = [*model, "--input", str(src)]
+    for option, value in [("--nbest", "5"), ("--batch-size", "0"), ("--max-len-b", "-1")]:
+        assert option in one_line_error(capsys, [*argv, option, value])
+    assert "--device" in one_line_error(capsys, [*argv, "--device", "gpu"])
+    if not torch.cuda.is_available():
+        assert "CUDA" in one_line_error(capsys, [*argv, "--device", "cuda:0"])
+    assert "--beam" in one_line_error(capsys, [*argv, "--beam", "four"])
+    assert "--model" in one_line_error(capsys, ["--input", str(src)])
+    src.write_bytes(b"a house\n\xff\n")
+    assert "line 2: not UTF-8" in one_line_error(capsys, argv)
+
+
+def test_models_with_different_vocabularies_are_no_ensemble(model_file, tmp_path, capsys):
+    other = write_model_file(tmp_path / "other.pt", spm_seed=1)
+    err = one_line_error(capsys, ["--model", str(model_file), "--model", str(other)])
+    assert str(other) in err and str(model_file) in err and "vocabulary" in err
+
+
+def test_help_explains_every_option_with_examples(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert "examples:" in text and "|||" in text
+    for option in ["--model", "--nbest", "--beam", "--lenpen", "--max-len-a", "--max-len-b",
+                   "--batch-size", "--max-tokens", "--device", "--input", "--output"]:  # fmt: skip
+        assert option in text
 
 
 def test_learned_position_tables_bound_sources_and_outputs():

@@ -13,7 +13,7 @@ import pytest
 import sentencepiece as spm
 
 from transformer.config import VocabConfig
-from transformer.data import file_sha256
+from transformer.files import file_sha256
 from transformer.vocab import (
     BOS,
     EOS,

@@ -1,8 +1,10 @@
 """Checkpoint averaging (paper 6.1: the last 5 checkpoints for base, the last 20 for big),
 and the export of the average as one self-contained model file.
 
-    python -m transformer.average RUN_DIR [--last N] --out model.pt
-    python -m transformer.average RUN_DIR/checkpoints/step-*.pt --out model.pt [--spm SPM]
+    python -m transformer.average RUN_DIR [--last N | --best N] --out model.pt
+    python -m transformer.average RUN_DIR/checkpoints/model-*.pt --out model.pt [--spm SPM]
+
+Exit codes: 0 written; 2 bad arguments or checkpoints (one line on stderr).
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ from pathlib import Path
 import torch
 
 from transformer.checkpoint import (
+    SNAPSHOT_FORMAT,
     CheckpointError,
     ModelFile,
-    list_checkpoints,
-    load_checkpoint,
     load_file,
+    load_typed,
     save_model_file,
+    select_snapshots,
 )
+from transformer.cli import ArgumentParser
+from transformer.config import AverageConfig
+from transformer.files import SPM_MODEL
 from transformer.metrics import setup_logging
-
-SPM_NAME = "spm.model"  # the run folder's copy of the shards' sentencepiece model
 
 log = logging.getLogger("transformer.average")  # not "__main__" under -m
 
@@ -55,27 +59,22 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
     return _tie_like(first, {k: _mean(v, first[k], len(paths)) for k, v in sums.items()})
 
 
-def export_average(run_dir: Path, last_n: int, out: Path) -> Path:
-    """Average the last `last_n` checkpoints of `run_dir` (by step) into the model file
-    `out`, with the run's sentencepiece model. Fewer than `last_n` checkpoints is an error:
-    an average of fewer models is not the one asked for."""
-    run_dir = Path(run_dir)
-    paths = list_checkpoints(run_dir)
-    if len(paths) < last_n:
-        names = ", ".join(p.name for p in paths) or "none"
-        raise CheckpointError(
-            f"{run_dir}: {len(paths)} checkpoint(s) ({names}), {last_n} to average "
-            "(average.last_n): train longer or lower average.last_n"
-        )
-    return export_checkpoints(paths[-last_n:], run_dir / SPM_NAME, out)
+def export_average(
+    run_dir: Path, cfg: AverageConfig, out: Path, max_step: int | None = None
+) -> Path:
+    """Average the snapshots of `run_dir` that `cfg` selects (the last or the best
+    `last_n`, of step <= max_step) into the model file `out`, with the run's
+    sentencepiece model."""
+    paths = select_snapshots(run_dir, cfg.select, cfg.last_n, max_step)
+    return export_checkpoints(paths, Path(run_dir) / SPM_MODEL, out)
 
 
 def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Path:
-    """Average training checkpoints `paths` into a model file (see checkpoint.ModelFile);
+    """Average model snapshots `paths` into a model file (see checkpoint.ModelFile);
     params and data fingerprint are those of the last (newest) one."""
     if not Path(spm_model).is_file():
         raise CheckpointError(f"{spm_model}: no sentencepiece model to export with the model")
-    infos = [load_checkpoint(p) for p in paths]
+    infos = [load_typed(p, SNAPSHOT_FORMAT, mmap=True) for p in paths]
     newest = infos[-1]
     meta = {
         "averaged_from": [Path(p).name for p in paths],
@@ -137,34 +136,50 @@ def _tie_like(ref: dict[str, torch.Tensor], out: dict[str, torch.Tensor]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m transformer.average",
         description="Average checkpoints into one exported model file.",
     )
-    parser.add_argument("inputs", nargs="+", type=Path, help="a run folder, or checkpoints")
-    parser.add_argument("--last", type=int, help="run folder: how many (default average.last_n)")
+    parser.add_argument("inputs", nargs="+", type=Path, help="a run folder, or snapshots")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--last", type=_positive, help="run folder: the last N snapshots")
+    which.add_argument("--best", type=_positive, help="run folder: the N best by validation")
     parser.add_argument("--out", type=Path, required=True, help="the model file to write")
-    parser.add_argument("--spm", type=Path, help="checkpoints: sentencepiece model to bundle")
-    args = parser.parse_args(argv)
+    parser.add_argument("--spm", type=Path, help="snapshots: sentencepiece model to bundle")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: usage on stderr, exit 2 (0 for --help)
+        return int(exit_.code or 0)
     setup_logging(is_main=True)
     try:
         if len(args.inputs) == 1 and args.inputs[0].is_dir():
             run_dir = args.inputs[0]
-            export_average(run_dir, args.last or _configured_last_n(run_dir), args.out)
+            cfg = _configured(run_dir, args.last, args.best)
+            export_average(run_dir, cfg, args.out)
         else:
-            spm_model = args.spm or args.inputs[0].resolve().parent.parent / SPM_NAME
+            spm_model = args.spm or args.inputs[0].resolve().parent.parent / SPM_MODEL
             export_checkpoints(args.inputs, spm_model, args.out)
-    except CheckpointError as err:
+    except (CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
-def _configured_last_n(run_dir: Path) -> int:
-    paths = list_checkpoints(run_dir)
-    if not paths:
-        raise CheckpointError(f"{run_dir}: no checkpoints")
-    return int(load_checkpoint(paths[-1])["params"]["average"]["last_n"])
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _configured(run_dir: Path, last: int | None, best: int | None) -> AverageConfig:
+    """--last/--best as given, else the run's own average section (from its newest
+    snapshot's params)."""
+    if last or best:
+        return AverageConfig(last_n=last or best, select="last" if last else "best")
+    newest = select_snapshots(run_dir, "last", 1)[-1]
+    params = load_typed(newest, SNAPSHOT_FORMAT, mmap=True)["params"]
+    return AverageConfig.model_validate(params["average"])
 
 
 if __name__ == "__main__":

@@ -1,18 +1,25 @@
-"""Self-describing files: atomic writes, safe loads, the exported model format, and the
-training checkpoints of a run folder.
+"""Self-describing files: atomic saves, safe loads, the exported model format, and the
+checkpoint manager of a run folder.
 
-A training checkpoint and an exported (averaged) model are both plain dicts of tensors and
-JSON-able values saved with `torch.save`, so they load with `torch.load(weights_only=True)`:
-no pickled code runs when a file from elsewhere is opened.
+Every file is a plain dict of tensors and JSON-able values saved with `torch.save`, loaded
+with `torch.load(weights_only=True)`: no pickled code runs when a file from elsewhere is
+opened. A run folder holds, under `checkpoints/`:
 
-A run folder holds its training checkpoints as `checkpoints/step-{step:07d}.pt` (the last
-`keep_last` kept) and `checkpoints/checkpoint_best.pt`, the one of lowest validation loss.
+    state-NNNNNNN.pt   everything resuming needs (model, optimizer, schedule, sampler, every
+                       rank's RNG, progress, early stopping): the newest KEEP_STATES only
+    model-NNNNNNN.pt   model-only snapshots with their step and validation score, for
+                       averaging: the last `keep_last` and the `keep_best` best
+
+so the disk a run needs is bounded: for big (213M parameters) two 2.6 GB states and
+0.9 GB a snapshot, not 2.6 GB for each of the 20 checkpoints it averages.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -24,11 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from transformer.config import flatten, operational_keys
+from transformer.distributed import all_gather_objects
+from transformer.files import CHECKPOINTS
+
 MODEL_FORMAT = "transformer-mt/model/1"
-TRAIN_FORMAT = "transformer-mt/train/1"
-CHECKPOINTS = "checkpoints"
-BEST = "checkpoint_best.pt"
-_STEP_NAME = re.compile(r"step-(\d+)\.pt")
+STATE_FORMAT = "transformer-mt/state/1"
+SNAPSHOT_FORMAT = "transformer-mt/snapshot/1"
+KEEP_STATES = 2  # the newest training state, and one to fall back on if it is unreadable
+_NAME = re.compile(r"(state|model)-(\d{7})\.pt")
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +58,23 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike) -> Path:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a run folder is shared
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
+        Path(tmp).unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free / 1e9
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path}: cannot write ({reason}; {free:.2f} GB free)") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_file(
@@ -60,17 +83,33 @@ def load_file(
     """torch.load with weights_only=True; any failure is a CheckpointError naming the file.
 
     `mmap` maps the tensors instead of reading them: only what is used comes off the disk
-    (the model of a checkpoint that also holds the optimizer), and ranks share the pages.
+    (the model of a state that also holds the optimizer), and ranks share the pages.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as err:  # truncated zip, bad pickle, foreign format: all the same to us
-        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
+    except Exception as err:  # truncated zip, foreign format, a pickle that would run code
+        raise CheckpointError(f"{path}: unreadable ({_reason(err)})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: not a checkpoint (top level is {type(obj).__name__})")
+    return obj
+
+
+def _reason(err: Exception) -> str:
+    # torch's message for a pickle that needs code runs to paragraphs and ends by advising
+    # weights_only=False, which is exactly what must not be done with a file from elsewhere.
+    if "weights_only" in str(err) or isinstance(err, pickle.UnpicklingError):
+        return "it holds objects that only running code could rebuild: refused"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def load_typed(path: str | os.PathLike, kind: str, mmap: bool = False) -> dict:
+    """A file of format `kind` (STATE_FORMAT, SNAPSHOT_FORMAT, MODEL_FORMAT), loaded safely."""
+    obj = load_file(path, mmap=mmap)
+    if obj.get("format") != kind:
+        raise CheckpointError(f"{path}: a {obj.get('format')!r} file, not {kind!r}")
     return obj
 
 
@@ -105,154 +144,189 @@ def load_model_file(path: str | os.PathLike, map_location: str = "cpu") -> Model
             f"{path}: not an exported model (format {obj.get('format')!r}, "
             f"expected {MODEL_FORMAT!r}); export one with `python -m transformer.average`"
         )
-    return ModelFile(
-        params=obj["params"],
-        model=obj["model"],
-        spm_model=obj["spm_model"].numpy().tobytes(),
-        meta=obj["meta"],
-    )
+    try:
+        return ModelFile(
+            params=obj["params"],
+            model=obj["model"],
+            spm_model=obj["spm_model"].numpy().tobytes(),
+            meta=obj["meta"],
+        )
+    except (KeyError, AttributeError, TypeError) as err:
+        raise CheckpointError(f"{path}: an incomplete model file ({err})") from None
 
 
 # --------------------------------------------------------------------------- run folders
 
 
-def step_path(run_dir: str | os.PathLike, step: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS / f"step-{step:07d}.pt"
+def checkpoint_path(run_dir: str | os.PathLike, kind: str, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"{kind}-{step:07d}.pt"
 
 
-def best_path(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CHECKPOINTS / BEST
+def list_files(run_dir: str | os.PathLike, kind: str) -> list[Path]:
+    """The run's `state` or `model` files, oldest first (by step, not by file time)."""
+    found = [
+        p
+        for p in (Path(run_dir) / CHECKPOINTS).glob(f"{kind}-*.pt")
+        if (m := _NAME.fullmatch(p.name)) and m[1] == kind
+    ]
+    return sorted(found, key=file_step)
 
 
-def checkpoint_step(path: str | os.PathLike) -> int | None:
-    """The step in a `step-NNNNNNN.pt` name, None for any other name."""
-    match = _STEP_NAME.fullmatch(Path(path).name)
-    return int(match[1]) if match else None
+def file_step(path: str | os.PathLike) -> int:
+    match = _NAME.fullmatch(Path(path).name)
+    return int(match[2]) if match else -1
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """The run's step checkpoints, oldest first (by step, not by file time)."""
-    folder = Path(run_dir) / CHECKPOINTS
-    found = [p for p in folder.glob("step-*.pt") if checkpoint_step(p) is not None]
-    return sorted(found, key=checkpoint_step)
+class CheckpointManager:
+    """Writes, prunes and finds a run folder's training states and model snapshots.
 
-
-def load_checkpoint(path: str | os.PathLike, mmap: bool = True) -> dict:
-    """A training checkpoint (not an exported model), loaded safely."""
-    obj = load_file(path, mmap=mmap)
-    if obj.get("format") != TRAIN_FORMAT:
-        raise CheckpointError(
-            f"{path}: not a training checkpoint (format {obj.get('format')!r}, "
-            f"expected {TRAIN_FORMAT!r})"
-        )
-    return obj
-
-
-def load_latest(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
-    """The newest readable checkpoint of the run, or None if there is none.
-
-    A newer file that cannot be read (truncated by a crash of the disk, not by a kill:
-    saves are atomic) is named in a warning and skipped for the one before it. If none can
-    be read, that is an error: starting over would silently throw the run away.
+    Itself a stateful part of the trainer: its index of kept snapshots (step, score) is
+    saved inside every training state, so a resumed run prunes exactly as an uninterrupted
+    one. Scores are the validation `best_metric`; `higher_is_better` orders them.
     """
-    paths = list_checkpoints(run_dir)
-    for path in reversed(paths):
-        try:
-            return path, load_checkpoint(path)
-        except CheckpointError as err:
-            log.warning("skipping checkpoint %s: %s; trying the one before", path.name, err)
-    if paths:
-        raise CheckpointError(
-            f"{Path(run_dir) / CHECKPOINTS}: none of the {len(paths)} checkpoints is readable "
-            "(see the warnings); move them away, or start over with --reset"
+
+    def __init__(self, run_dir: Path, keep_last: int, keep_best: int, higher_is_better: bool):
+        self.run_dir = Path(run_dir)
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self.higher_is_better = higher_is_better
+        self.index: list[dict[str, Any]] = []  # kept snapshots, by step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"snapshots": [dict(s) for s in self.index]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the index of a resumed state; snapshots written after that state (the run
+        will write them again, identically) and those it had pruned are removed."""
+        self.index = [dict(s) for s in state["snapshots"]]
+        kept = {s["step"] for s in self.index}
+        for path in list_files(self.run_dir, "model"):
+            if file_step(path) not in kept:
+                path.unlink(missing_ok=True)
+        self.index = [s for s in self.index if self.path("model", s["step"]).exists()]
+
+    def path(self, kind: str, step: int) -> Path:
+        return checkpoint_path(self.run_dir, kind, step)
+
+    def snapshot(self, step: int, meta: dict[str, Any], model: dict, score: float | None) -> Path:
+        """Write the model of `step` for averaging, then prune the snapshots."""
+        path = atomic_save(
+            {"format": SNAPSHOT_FORMAT, **meta, "step": step, "score": score, "model": model},
+            self.path("model", step),
         )
-    return None
+        self.index = [s for s in self.index if s["step"] != step]
+        self.index.append({"step": step, "score": score})
+        self.index.sort(key=lambda s: s["step"])
+        keep = {s["step"] for s in self.index[-self.keep_last :]}
+        keep |= {s["step"] for s in self.best(self.keep_best)}
+        for dropped in [s for s in self.index if s["step"] not in keep]:
+            self.path("model", dropped["step"]).unlink(missing_ok=True)
+        self.index = [s for s in self.index if s["step"] in keep]
+        return path
+
+    def best(self, n: int) -> list[dict[str, Any]]:
+        """The n best scored snapshots, best first (earlier step on a tie)."""
+        scored = [s for s in self.index if s["score"] is not None and math.isfinite(s["score"])]
+        sign = -1.0 if self.higher_is_better else 1.0
+        return sorted(scored, key=lambda s: (sign * s["score"], s["step"]))[:n]
+
+    def save_state(self, step: int, state: dict[str, Any]) -> Path:
+        """Write the training state of `step` (with this manager's index) and keep the
+        newest KEEP_STATES."""
+        path = atomic_save(
+            {"format": STATE_FORMAT, **state, "checkpoints": self.state_dict()},
+            self.path("state", step),
+        )
+        for old in list_files(self.run_dir, "state")[:-KEEP_STATES]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def load_latest(self) -> tuple[Path, dict] | None:
+        """The newest readable training state, or None if there is none.
+
+        A newer file that cannot be read (damaged by a disk fault, not by a kill: saves are
+        atomic) is named in a warning and skipped for the one before. If none can be read,
+        that is an error: starting over would silently throw the run away.
+        """
+        paths = list_files(self.run_dir, "state")
+        for path in reversed(paths):
+            try:
+                return path, load_typed(path, STATE_FORMAT, mmap=True)
+            except CheckpointError as err:
+                log.warning("skipping %s: %s; trying the one before", path.name, err)
+        if paths:
+            raise CheckpointError(
+                f"{self.run_dir / CHECKPOINTS}: none of the {len(paths)} training states is "
+                "readable (see the warnings); move them away, or start over with --reset"
+            )
+        return None
+
+    def remove_partial_writes(self) -> None:
+        """Temporary files of saves that a kill interrupted (never trusted, only in the way)."""
+        for tmp in (self.run_dir / CHECKPOINTS).glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
 
 
-def save_checkpoint(run_dir: str | os.PathLike, state: dict[str, Any], keep_last: int) -> Path:
-    """Write `state` as the checkpoint of its step, then drop all but the last `keep_last`."""
-    path = atomic_save({"format": TRAIN_FORMAT, **state}, step_path(run_dir, state["step"]))
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        old.unlink(missing_ok=True)
-    return path
+def select_snapshots(
+    run_dir: str | os.PathLike, select: str, n: int, max_step: int | None = None
+) -> list[Path]:
+    """The snapshots to average, oldest first: the last `n` (select='last') or the `n` best
+    by their validation score ('best'), among those of step <= max_step. Fewer than `n` is
+    an error: an average of fewer models is not the one asked for."""
+    paths = [
+        p for p in list_files(run_dir, "model") if max_step is None or file_step(p) <= max_step
+    ]
+    if select == "best":
+        metas = {p: load_typed(p, SNAPSHOT_FORMAT, mmap=True) for p in paths}
+        scored = [p for p in paths if metas[p]["score"] is not None]
+        sign = {p: -1.0 if metas[p].get("higher_is_better") else 1.0 for p in scored}
+        paths = sorted(
+            sorted(scored, key=lambda p: (sign[p] * metas[p]["score"], file_step(p)))[:n],
+            key=file_step,
+        )
+    chosen = paths[-n:]
+    if len(chosen) < n:
+        names = ", ".join(p.name for p in paths) or "none"
+        raise CheckpointError(
+            f"{Path(run_dir) / CHECKPOINTS}: {len(chosen)} {select} snapshot(s) ({names}), "
+            f"{n} to average (average.last_n): train longer or average fewer"
+        )
+    return chosen
 
 
-def save_best(run_dir: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write `state` as `checkpoint_best.pt` (when the best step is no save step)."""
-    return atomic_save({"format": TRAIN_FORMAT, **state}, best_path(run_dir))
+# --------------------------------------------------------------------------- resuming
 
 
-def link_best(run_dir: str | os.PathLike, saved: Path) -> Path:
-    """Make `checkpoint_best.pt` a hard link to the step file `saved`: no second copy on
-    disk, and pruning the step file later leaves the link. Replaced atomically."""
-    best = best_path(run_dir)
-    tmp = best.with_name(f".{BEST}.link.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(saved, tmp)
-    except OSError:  # a file system without hard links
-        shutil.copyfile(saved, tmp)
-    os.replace(tmp, best)
-    return best
-
-
-def remove_partial_writes(run_dir: str | os.PathLike) -> None:
-    """Temporary files of saves that a kill interrupted (never trusted, only in the way)."""
-    for tmp in (Path(run_dir) / CHECKPOINTS).glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
-
-
-def param_differences(
-    saved: dict[str, Any], current: dict[str, Any], ignore: frozenset[str] = frozenset()
-) -> list[str]:
-    """'model.d_model: 64 in checkpoint, 128 now' for each flattened key that differs."""
-    old, new = _flatten(saved), _flatten(current)
+def resume_differences(saved_params: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """'model.d_model: 64 in checkpoint, 128 now' for each identity-bearing key of the model
+    and train sections that differs: the operational ones (config.operational) may change."""
+    relevant = ("model.", "train.")
+    ignore = operational_keys()
+    old, new = flatten(saved_params), flatten(params)
     return [
         f"{key}: {old.get(key, '<absent>')!r} in checkpoint, {new.get(key, '<absent>')!r} now"
         for key in sorted(old.keys() | new.keys())
-        if key not in ignore and old.get(key) != new.get(key)
+        if key.startswith(relevant) and key not in ignore and old.get(key) != new.get(key)
     ]
 
 
-def resume_differences(
-    state: dict[str, Any],
-    params: dict[str, Any],
-    fingerprint: str,
-    world_size: int,
-    ignore: frozenset[str] = frozenset(),
-) -> list[str]:
-    """What would make a run resumed from training checkpoint `state` another run: its
-    model and train params (less `ignore`), its data, its number of ranks."""
-    relevant = ("model", "train")
-    out = param_differences(
-        {k: v for k, v in state["params"].items() if k in relevant},
-        {k: v for k, v in params.items() if k in relevant},
-        ignore,
-    )
-    if state["data_fingerprint"] != fingerprint:
-        out.append(
-            f"data fingerprint differs ({state['data_fingerprint']} in checkpoint, "
-            f"{fingerprint} now): other shards"
-        )
-    if state["world_size"] != world_size:
-        out.append(
-            f"world size: {state['world_size']} in checkpoint, {world_size} now "
-            "(each update would see other batches)"
-        )
-    return out
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 # --------------------------------------------------------------------------- RNG states
+
+
+class RankRNG:
+    """Every rank's random generators, as a stateful part of the trainer: `state_dict()` is
+    a collective that gathers each rank's state, `load_state_dict` restores this rank's."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return all_gather_objects(rng_state())
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if self.rank < len(states):
+            set_rng_state(states[self.rank])
+        else:
+            log.warning("no saved RNG state for rank %d: a fresh dropout stream", self.rank)
 
 
 def rng_state() -> dict[str, Any]:
@@ -289,3 +363,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(
         ("MT19937", keys, np_state["pos"], np_state["has_gauss"], np_state["gauss"])
     )
+
+
+def describe_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Where a run folder's training stands: the step of its newest state, whether early
+    stopping ended it, and its snapshots ([step, score], by step)."""
+    found = CheckpointManager(Path(run_dir), 0, 0, False).load_latest()
+    if found is None:
+        raise CheckpointError(f"{Path(run_dir) / CHECKPOINTS}: no training state")
+    _, state = found
+    patience = state["params"]["train"]["patience"]
+    return {
+        "step": state["progress"]["step"],
+        "stopped_early": patience > 0 and state["early_stopping"]["bad"] >= patience,
+        "snapshots": [[s["step"], s["score"]] for s in state["checkpoints"]["snapshots"]],
+    }

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 
 class ParamsError(ValueError):
@@ -26,9 +28,23 @@ class ParamsError(ValueError):
 
 
 class Section(BaseModel):
-    # Unknown keys are errors (a typo must never silently fall back to a default),
-    # and a loaded tree is immutable: the params hash must describe what actually ran.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown keys are errors (a typo must never silently fall back to a default); strict
+    # types (`max_steps: true` is no 1, `"3"` no 3); a loaded tree is immutable, so the
+    # identities below describe what actually ran.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def operational(default: Any, **constraints: Any) -> Any:
+    """Declare a key operational: it changes how a stage runs (cadence, logging, workers,
+    how long to train, where files are), never what a finished stage holds. Every other key
+    is identity-bearing. This one declaration is what stage folders, the trainer's resume
+    check and the data fingerprint all read (`identity`, `operational_keys`)."""
+    return Field(default, json_schema_extra={"operational": True}, **constraints)
+
+
+def _is_operational(info: FieldInfo) -> bool:
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("operational"))
 
 
 # --------------------------------------------------------------------------- data
@@ -40,7 +56,9 @@ class SourceConfig(Section):
     hub: str | None = None  # e.g. "wmt/wmt14"
     config: str | None = None  # e.g. "de-en"
     revision: str | None = None  # a commit of the hub repo, so the data cannot drift
-    path: str | None = None  # local folder of text files, or parquet/jsonl files
+    # A local folder of text files, or parquet/jsonl files, relative to the directory the
+    # pipeline runs in. Where the files are is no identity: their sha256 is.
+    path: str | None = operational(None)
     format: Literal["text", "parquet", "jsonl"] = "text"
 
     @model_validator(mode="after")
@@ -68,9 +86,6 @@ class CleanConfig(Section):
     max_len: int = Field(250, ge=1)  # the usual WMT14 recipe (clean-corpus-n.perl)
     max_ratio: float = Field(1.5, gt=1.0)  # longer/shorter side, in tokens
     dedup: bool = False
-    # Mismatched line counts are always an error; a bad line (invalid UTF-8) either stops
-    # the run, naming the file and the line, or is dropped and counted.
-    on_invalid: Literal["error", "drop"] = "error"
 
     @model_validator(mode="after")
     def _range(self) -> CleanConfig:
@@ -84,7 +99,9 @@ class DataConfig(Section):
     src_lang: str = "en"
     tgt_lang: str = "de"
     splits: SplitsConfig = SplitsConfig()
-    clean: CleanConfig = CleanConfig()
+    # Mismatched line counts are always an error; a bad line (invalid UTF-8) either stops
+    # the run, naming the file and the line, or is dropped and counted.
+    on_invalid: Literal["error", "drop"] = "error"
 
     @model_validator(mode="after")
     def _langs(self) -> DataConfig:
@@ -110,7 +127,7 @@ class ShardConfig(Section):
 
     bucket_width: int = Field(8, ge=1)
     rows_per_shard: int = Field(200_000, ge=1)
-    workers: int = Field(0, ge=0)  # encoding processes; 0 = all cores
+    workers: int = operational(0, ge=0)  # encoding processes; 0 = all cores
 
 
 # --------------------------------------------------------------------------- model
@@ -142,37 +159,48 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
-    max_tokens: int = Field(4096, ge=1)  # per GPU per micro-batch, padding counted
-    update_freq: int = Field(1, ge=1)  # micro-batches accumulated per update
-    max_steps: int = Field(100_000, ge=1)  # optimizer updates
+    # Paper 5.1: about 25k source + 25k target tokens per update. `batch_tokens` is that
+    # update, all GPUs together (padding counted); `max_tokens` bounds one forward pass on
+    # one GPU (memory). update_freq = ceil(batch_tokens / (GPUs x max_tokens)) micro-batches
+    # of batch_tokens / (GPUs x update_freq) tokens: the same update on 1 GPU or 8.
+    batch_tokens: int = Field(32768, ge=1)
+    max_tokens: int = operational(32768, ge=1)
+    max_steps: int = operational(100_000, ge=1)  # optimizer updates; raising it extends a run
     warmup_steps: int = Field(4000, gt=0)
     lr_scale: float = Field(1.0, gt=0.0)  # multiplies d_model^-0.5 * min(...) (paper: 1)
-    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_betas: list[float] = Field([0.9, 0.98], min_length=2, max_length=2)
     adam_eps: float = Field(1e-9, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     clip_norm: float = Field(0.0, ge=0.0)  # 0 = no clipping (the paper clips nothing)
     precision: Literal["fp32", "bf16"] = "bf16"  # bf16 autocast on GPU, fp32 masters
-    compile: bool = False  # torch.compile the model
+    compile: bool = operational(False)  # torch.compile the model, dynamic shapes
     seed: int = 1
-    save_every: int = Field(1000, ge=1)  # steps between checkpoints
-    keep_last: int = Field(5, ge=1)  # checkpoints kept (plus the best by valid loss)
-    valid_every: int = Field(1000, ge=1)  # steps between validation loss/ppl
-    valid_bleu: bool = False  # also greedy-decode the valid split for a BLEU curve
-    log_every: int = Field(100, ge=1)  # steps between training metrics
-    max_bad_steps: int = Field(10, ge=1)  # non-finite updates in a row before stopping
-    nproc_per_node: int | None = Field(None, ge=1)  # None = visible GPUs, or 1 on CPU
-    timeout_minutes: float = Field(0.0, ge=0.0)  # train task wall-clock limit; 0 = none
+    save_every: int = operational(1000, ge=1)  # steps between checkpoints
+    keep_last: int = operational(5, ge=1)  # model snapshots kept for averaging
+    keep_best: int = operational(1, ge=0)  # and the best ones by best_metric
+    valid_every: int = operational(1000, ge=1)  # steps between validations
+    valid_bleu: bool = operational(False)  # also decode the valid split for a BLEU curve
+    valid_beam: int = operational(1, ge=1)  # its beam size: 1 is greedy (fast)
+    # "Best" (the snapshots kept as best, early stopping, average.select=best): lowest
+    # valid/loss or highest valid/bleu, as fairseq's --best-checkpoint-metric.
+    best_metric: Literal["loss", "bleu"] = operational("loss")
+    patience: int = operational(0, ge=0)  # stop after this many validations with no new best
+    log_every: int = operational(100, ge=1)  # steps between training metrics
+    max_bad_steps: int = operational(10, ge=1)  # non-finite updates in a row before stopping
 
     @model_validator(mode="after")
-    def _betas(self) -> TrainConfig:
+    def _checks(self) -> TrainConfig:
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ValueError(f"adam_betas: must lie in [0, 1), got {list(self.adam_betas)}")
+        if self.best_metric == "bleu" and not self.valid_bleu:
+            raise ValueError("best_metric: 'bleu' needs train.valid_bleu: true")
         return self
 
 
 class AverageConfig(Section):
     last_n: int = Field(5, ge=1)  # paper: last 5 checkpoints (base), last 20 (big)
+    select: Literal["last", "best"] = "last"  # the last N snapshots, or the N best
 
 
 class DecodeConfig(Section):
@@ -180,55 +208,89 @@ class DecodeConfig(Section):
     len_penalty: float = Field(0.6, ge=0.0)  # GNMT alpha: lp(Y) = ((5 + |Y|) / 6)^alpha
     max_len_a: float = Field(1.0, ge=0.0)  # max output length = a * src_len + b
     max_len_b: int = Field(50, ge=0)
-    max_tokens: int = Field(8000, ge=1)  # source tokens per decoding batch
+    max_tokens: int = operational(8000, ge=1)  # source tokens per decoding batch
 
 
-class TrackingConfig(Section):
-    """MLflow; MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME override these."""
+class ScoreConfig(Section):
+    """What the decode stage reports beside sacreBLEU (cased, and lowercased) and chrF."""
 
-    uri: str | None = None  # None = sqlite:///<work dir>/mlflow.db
-    experiment: str = "wmt14-ende"
+    # The paper's EN-DE convention (tensor2tensor's get_ende_bleu.sh): tokenized BLEU with
+    # compounds split. Only meaningful for German references.
+    compound_split: bool = False
+    # A folder holding the corpus's own tokenized references, `{split}.lc.norm.tok.{lang}`
+    # (gzip allowed): BLEU on lowercased, punctuation-normalised, Moses-tokenized output, the
+    # scale papers on that corpus quote (Multi30k). Relative to where the pipeline runs;
+    # where it is is no identity: the files' sha256 is.
+    tokenized_refs: str | None = operational(None)
 
 
 class Params(Section):
     data: DataConfig
+    clean: CleanConfig = CleanConfig()
     vocab: VocabConfig = VocabConfig()
     shard: ShardConfig = ShardConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     average: AverageConfig = AverageConfig()
     decode: DecodeConfig = DecodeConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    score: ScoreConfig = ScoreConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> Params:
-        if self.average.last_n > self.train.keep_last:
+        kept = self.train.keep_last if self.average.select == "last" else self.train.keep_best
+        if self.average.last_n > kept:
+            which = f"keep_{self.average.select}"
             raise ValueError(
-                f"average.last_n: {self.average.last_n} > train.keep_last "
-                f"({self.train.keep_last}): the checkpoints to average would be deleted"
+                f"average.last_n: {self.average.last_n} > train.{which} ({kept}): "
+                "the snapshots to average would be deleted"
             )
         return self
 
 
 # --------------------------------------------------------------------------- loading
 
+# Top-level sections that belong to whoever orchestrates runs (tasks/settings.py validates
+# them): the library reads its own sections and leaves these alone.
+FOREIGN_SECTIONS = ("pipeline",)
 
-def load_params(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Params:
-    """Read `path` (following `extends:`), apply `key=value` overrides, validate."""
+
+def load_params(
+    path: str | os.PathLike,
+    overrides: list[str] | tuple[str, ...] = (),
+    schema: type[Params] = Params,
+) -> Params:
+    """Read `path` (following `extends:`), apply `key=value` overrides, validate against
+    `schema` (the library's Params, or a subclass that adds the foreign sections)."""
     path = Path(path)
     tree = _read_tree(path, seen=())
     for item in overrides:
         _apply_override(tree, item, path)
+    if schema is Params:
+        tree = {k: v for k, v in tree.items() if k not in FOREIGN_SECTIONS}
     try:
-        params = Params.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as err:
         raise ParamsError(_describe(err, path, overrides)) from None
-    return _with_env(params)
 
 
 def params_from_dict(tree: dict[str, Any]) -> Params:
     """Rebuild a Params tree from a resolved dump (a checkpoint's params)."""
     return Params.model_validate(tree)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _read_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
@@ -241,7 +303,7 @@ def _read_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as err:
         raise ParamsError(f"{path}: cannot read: {err}") from None
     try:
-        tree = yaml.safe_load(text)
+        tree = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: data only
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -292,7 +354,7 @@ def _apply_override(tree: dict[str, Any], item: str, path: Path) -> None:
 def _describe(err: ValidationError, path: Path, overrides) -> str:
     lines = []
     for e in err.errors():
-        dotted = ".".join(str(p) for p in e["loc"])
+        dotted = ".".join(str(p) for p in e["loc"] if not isinstance(p, int))
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "missing":
@@ -310,22 +372,11 @@ def _describe(err: ValidationError, path: Path, overrides) -> str:
     return "\n".join(lines)
 
 
-def _with_env(params: Params) -> Params:
-    """MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME beat the params file, as in MLflow."""
-    tracking = params.tracking.model_copy(
-        update={
-            "uri": os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri,
-            "experiment": os.environ.get("MLFLOW_EXPERIMENT_NAME") or params.tracking.experiment,
-        }
-    )
-    return params.model_copy(update={"tracking": tracking})
-
-
 # --------------------------------------------------------------------------- identity
 
 
 def to_dict(params: BaseModel) -> dict[str, Any]:
-    """Plain JSON-able dict (tuples become lists) of a params tree or one section."""
+    """Plain JSON-able dict of a params tree or one section."""
     return params.model_dump(mode="json")
 
 
@@ -333,8 +384,36 @@ def to_yaml(params: BaseModel) -> str:
     return yaml.safe_dump(to_dict(params), sort_keys=False)
 
 
+def identity(node: BaseModel) -> dict[str, Any]:
+    """The identity-bearing part of a section: its keys less the operational ones, nested
+    sections likewise. Two sections with equal identities give the same stage output."""
+    out: dict[str, Any] = {}
+    for name, info in type(node).model_fields.items():
+        if _is_operational(info):
+            continue
+        value = getattr(node, name)
+        out[name] = identity(value) if isinstance(value, BaseModel) else _json(value)
+    return out
+
+
+def operational_keys(schema: type[BaseModel] = Params, prefix: str = "") -> set[str]:
+    """Dotted names of every operational key of `schema` ('train.max_steps', ...)."""
+    keys = set()
+    for name, info in schema.model_fields.items():
+        dotted = f"{prefix}{name}"
+        if _is_operational(info):
+            keys.add(dotted)
+        elif isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            keys |= operational_keys(info.annotation, f"{dotted}.")
+    return keys
+
+
+def _json(value: Any) -> Any:
+    return to_jsonable_python(value)
+
+
 def fingerprint(*parts: Any) -> str:
-    """A short stable hash of JSON-able parts (params sections, input fingerprints)."""
+    """A short stable hash of JSON-able parts (identities, input fingerprints)."""
     blob = json.dumps(
         [to_dict(p) if isinstance(p, BaseModel) else p for p in parts],
         sort_keys=True,
@@ -344,12 +423,13 @@ def fingerprint(*parts: Any) -> str:
 
 
 def params_hash(params: Params) -> str:
-    """Identity of a run: everything but where it is tracked."""
-    return fingerprint(params.model_dump(mode="json", exclude={"tracking"}))
+    """Identity of a pipeline run (one MLflow parent run): every key of the params, the
+    operational ones too, but not the orchestration's own sections."""
+    return fingerprint(params.model_dump(mode="json", exclude=set(FOREIGN_SECTIONS)))
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'model': {'d_model': 512}} -> {'model.d_model': 512} (for MLflow params)."""
+    """{'model': {'d_model': 512}} -> {'model.d_model': 512}."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         dotted = f"{prefix}{key}"

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -82,3 +84,17 @@ def broadcast_object(obj: Any) -> Any:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def distribute(model: nn.Module, env: DistEnv, compile: bool) -> nn.Module:
+    """DDP if there are several ranks, then torch.compile with dynamic shapes if asked.
+    Compiling the DDP module (not the module inside it) lets dynamo split the graph at
+    DDP's gradient buckets, so communication still overlaps the backward pass."""
+    net = model
+    if env.distributed:
+        device_ids = [env.device] if env.device.type == "cuda" else None
+        net = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    if compile:
+        # dynamic=True: one graph for every (batch, length) shape instead of one per shape.
+        net = torch.compile(net, dynamic=True)
+    return net

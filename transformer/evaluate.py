@@ -1,89 +1,163 @@
-"""Detokenize and score translations: sacreBLEU (the reproducible standard) and the paper's
-tokenized, compound-split BLEU.
+"""Decode and score: the decode stage's library function, and the scores it reports.
 
-- `bleu`, `chrf`: sacreBLEU on detokenized output against the raw references, each with
-  sacreBLEU's signature so a number can be compared only with numbers made the same way.
-- `bleu_tok_compound`: what the paper reports for EN-DE (tensor2tensor's get_ende_bleu.sh):
-  tokenized hypotheses and references, compounds split as "rich ##AT##-##AT## text", then
-  multi-bleu.perl. Here the tokenizer is sacreBLEU's 13a instead of Moses' tokenizer.perl
-  (no Perl, no Moses checkout), so the figure is close to the paper's method, not identical
-  to it; multi-bleu.perl does not smooth, and neither does this.
+- `bleu`, `chrf` (sacreBLEU on detokenized output against the raw references, each with
+  sacreBLEU's signature), and `bleu_lc` (the same, case-insensitive): the reproducible
+  standard, comparable wherever the signature matches.
+- `bleu_tok_compound` (ScoreConfig.compound_split; WMT14 EN-DE): what the paper reports
+  (tensor2tensor's get_ende_bleu.sh): tokenized hypotheses and references, compounds split
+  as "rich ##AT##-##AT## text", unsmoothed multi-bleu. Here the tokenizer is sacreBLEU's 13a,
+  not Moses' tokenizer.perl, so the figure is close to the paper's method, not identical.
+- `bleu_tok_lc` (ScoreConfig.tokenized_refs; Multi30k): the scale papers on a corpus quote
+  when the corpus ships its own tokenized references: hypotheses lowercased,
+  punctuation-normalised and tokenized with sacremoses (Moses' scripts, maintained in
+  Python), unsmoothed BLEU against those references. Not sacreBLEU: never compare the two.
 
-`python -m transformer.evaluate HYP REF [--lowercase]` prints the scores as JSON.
+`python -m transformer.evaluate HYP REF [--lowercase]` prints sacreBLEU scores as JSON.
 """
 
 from __future__ import annotations
 
-import argparse
+import gzip
 import json
 import os
 import re
 import sys
+from pathlib import Path
 
+import pyarrow.parquet as pq
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+from transformer.cli import ArgumentParser
+from transformer.config import DataConfig, DecodeConfig, ScoreConfig
+from transformer.data import DataError
+from transformer.files import SCORES, atomic_dir, file_sha256, hypotheses
 
 # get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Python's re.sub, like
 # Perl's s///g, replaces non-overlapping matches left to right, so "a-b-c" gives
 # "a ##AT##-##AT## b-c" in both: the script's quirk is kept, to stay comparable.
 _COMPOUND = re.compile(r"(\S)-(\S)")
-
-
-def detokenize(sp, ids: list[list[int]]) -> list[str]:
-    """Subword ids (no BOS/EOS) to text with the sentencepiece model."""
-    return [sp.decode(x) for x in ids]
-
-
-def split_compounds(line: str) -> str:
-    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
-
-
-def tokenize_compound(lines: list[str]) -> list[str]:
-    """get_ende_bleu.sh's preprocessing, with the 13a tokenizer standing in for Moses'."""
-    tok = Tokenizer13a()
-    return [split_compounds(tok(line)) for line in lines]
+_UNSMOOTHED = {"tokenize": "none", "smooth_method": "none", "force": True}
 
 
 def score(hyps: list[str], refs: list[str], lowercase: bool = False) -> dict:
-    """BLEU and chrF (sacreBLEU, with signatures) and the paper's tokenized compound BLEU."""
+    """sacreBLEU's BLEU and chrF, with their signatures."""
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
     bleu, chrf = BLEU(lowercase=lowercase), CHRF(lowercase=lowercase)
-    tok_bleu = BLEU(lowercase=lowercase, tokenize="none", smooth_method="none", force=True)
     return {
         "bleu": bleu.corpus_score(hyps, [refs]).score,
         "chrf": chrf.corpus_score(hyps, [refs]).score,
-        "bleu_tok_compound": tok_bleu.corpus_score(
-            tokenize_compound(hyps), [tokenize_compound(refs)]
-        ).score,
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
     }
 
 
+def compound_split_bleu(hyps: list[str], refs: list[str]) -> float:
+    """get_ende_bleu.sh's preprocessing (13a standing in for Moses), then multi-bleu."""
+    tok = Tokenizer13a()
+
+    def split(lines: list[str]) -> list[str]:
+        return [_COMPOUND.sub(r"\1 ##AT##-##AT## \2", tok(line)) for line in lines]
+
+    return BLEU(**_UNSMOOTHED).corpus_score(split(hyps), [split(refs)]).score
+
+
+def tokenized_lc_bleu(hyps: list[str], tok_refs: list[str], lang: str) -> float:
+    """Lowercase, normalise punctuation, Moses-tokenize (escaping as tokenizer.perl does),
+    then unsmoothed BLEU against references already processed that way."""
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+    normalizer, tokenizer = MosesPunctNormalizer(lang), MosesTokenizer(lang)
+    tokenized = [
+        tokenizer.tokenize(normalizer.normalize(h.lower()), return_str=True, escape=True)
+        for h in hyps
+    ]
+    if len(tokenized) != len(tok_refs):
+        raise ValueError(f"{len(tokenized)} hypotheses but {len(tok_refs)} tokenized references")
+    return BLEU(**_UNSMOOTHED).corpus_score(tokenized, [tok_refs]).score
+
+
+def score_split(
+    hyps: list[str], refs: list[str], cfg: ScoreConfig, lang: str, tok_refs: Path | None
+) -> dict:
+    """Every score the params ask for, for one split."""
+    lower = score(hyps, refs, lowercase=True)
+    out = score(hyps, refs) | {
+        "bleu_lc": lower["bleu"],
+        "bleu_lc_signature": lower["bleu_signature"],
+    }
+    if cfg.compound_split:
+        out["bleu_tok_compound"] = compound_split_bleu(hyps, refs)
+    if tok_refs is not None:
+        out["bleu_tok_lc"] = tokenized_lc_bleu(hyps, read_lines(tok_refs), lang)
+    return out
+
+
+def tokenized_refs(cfg: ScoreConfig, data: DataConfig, role: str) -> Path | None:
+    """The corpus's own tokenized reference file for a split, if the params name a folder."""
+    if cfg.tokenized_refs is None:
+        return None
+    split = getattr(data.splits, role)
+    base = Path(cfg.tokenized_refs).expanduser().resolve() / f"{split}.lc.norm.tok.{data.tgt_lang}"
+    for path in (base, base.with_name(base.name + ".gz")):
+        if path.is_file():
+            return path
+    raise DataError(f"{base}: no such file (nor .gz): score.tokenized_refs names no reference")
+
+
+def reference_fingerprints(cfg: ScoreConfig, data: DataConfig) -> dict[str, str]:
+    """sha256 of the tokenized reference files the scores will read (none if not asked)."""
+    found = {role: tokenized_refs(cfg, data, role) for role in ("valid", "test")}
+    return {role: file_sha256(path) for role, path in found.items() if path is not None}
+
+
+def decode_and_score(
+    model_path: Path,
+    cleaned: Path,
+    data: DataConfig,
+    decode_cfg: DecodeConfig,
+    score_cfg: ScoreConfig,
+    out_dir: Path,
+    device: str,
+) -> dict:
+    """Translate the valid and test splits of the cleaned corpus with beam search, score
+    them against the raw references; write `{role}.hyp` and scores.json atomically."""
+    from transformer.translate import load_translator, translate_lines
+
+    model, sp, _ = load_translator(model_path, device)
+    scores = {}
+    with atomic_dir(out_dir) as tmp:
+        for role in ("valid", "test"):
+            refs_tok = tokenized_refs(score_cfg, data, role)  # missing: fail before decoding
+            table = pq.read_table(Path(cleaned) / f"{role}.parquet")
+            sources, refs = table["src"].to_pylist(), table["tgt"].to_pylist()
+            hyps = translate_lines(model, sp, sources, decode_cfg, device)
+            (tmp / hypotheses(role)).write_text("".join(h + "\n" for h in hyps), "utf-8")
+            scores[role] = score_split(hyps, refs, score_cfg, data.tgt_lang, refs_tok)
+        (tmp / SCORES).write_text(json.dumps(scores, indent=2))
+    return scores
+
+
 def read_lines(path: str | os.PathLike) -> list[str]:
-    """One sentence per line, split on "\\n" only (as sacreBLEU reads files)."""
-    with open(path, encoding="utf-8", newline="\n") as f:
+    """One sentence per line, split on "\\n" only (as sacreBLEU reads files); gzip allowed."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
         return [line.rstrip("\r\n") for line in f]
 
 
-def score_files(
-    hyp_path: str | os.PathLike, ref_path: str | os.PathLike, lowercase: bool = False
-) -> dict:
-    hyps, refs = read_lines(hyp_path), read_lines(ref_path)
-    if len(hyps) != len(refs):
-        raise ValueError(f"{hyp_path} has {len(hyps)} lines but {ref_path} has {len(refs)}")
-    return score(hyps, refs, lowercase)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transformer.evaluate", description=__doc__)
+    parser = ArgumentParser(prog="python -m transformer.evaluate", description=__doc__)
     parser.add_argument("hyp", help="detokenized translations, one per line")
     parser.add_argument("ref", help="raw references, one per line")
     parser.add_argument("--lowercase", action="store_true", help="case-insensitive scores")
     args = parser.parse_args(argv)
     try:
-        scores = score_files(args.hyp, args.ref, args.lowercase)
+        hyps, refs = read_lines(args.hyp), read_lines(args.ref)
+        if len(hyps) != len(refs):
+            raise ValueError(f"{args.hyp} has {len(hyps)} lines but {args.ref} has {len(refs)}")
+        scores = score(hyps, refs, args.lowercase)
     except (OSError, UnicodeDecodeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from typing import Protocol
 
 from tqdm import tqdm
@@ -28,10 +29,18 @@ class NullLogger:
 
 
 class ConsoleLogger:
-    """One compact line per `log()` on stdout, and a progress bar on stderr when it is a
-    terminal (a pipe, as under the pipeline, gets the lines only)."""
+    """Lines a person can follow on stdout, one per `log()`: progress, the few numbers that
+    tell a run is healthy, time left. The full metric set goes to the caller's logger.
+
+        step 120/600 (20%) | loss 2.62 | lr 2.9e-03 | 14,000 tok/s | eta 1m05s
+        valid 200/600 | loss 2.104 | ppl 8.20 | bleu 31.52 | best 31.52
+
+    A progress bar on stderr when it is a terminal (a pipe, as under the pipeline, gets the
+    lines only)."""
 
     def __init__(self, total_steps: int, initial_step: int = 0):
+        self.total = total_steps
+        self.start = (time.monotonic(), initial_step)
         self.bar = tqdm(
             total=total_steps,
             initial=initial_step,
@@ -43,11 +52,37 @@ class ConsoleLogger:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.bar.update(max(0, step - self.bar.n))
-        tqdm.write(format_line(metrics, step), file=sys.stdout)
+        if "train/loss" in metrics:
+            line = self._train_line(metrics, step)
+        else:
+            line = f"valid {step}/{self.total} | " + " | ".join(
+                f"{k.split('/')[-1]} {v:.4g}" for k, v in metrics.items() if v is not None
+            )
+        tqdm.write(line, file=sys.stdout)
         sys.stdout.flush()
+
+    def _train_line(self, m: dict[str, float], step: int) -> str:
+        started, first = self.start
+        done = step - first
+        eta = (time.monotonic() - started) / done * (self.total - step) if done > 0 else 0.0
+        return (
+            f"step {step}/{self.total} ({step / self.total:.0%}) | loss {m['train/loss']:.3f} | "
+            f"lr {m['train/lr']:.1e} | {m['train/tokens_per_s']:,.0f} tok/s | "
+            f"eta {format_duration(eta)}"
+        )
 
     def close(self) -> None:
         self.bar.close()
+
+
+def format_duration(seconds: float) -> str:
+    """65 -> '1m05s', 3725 -> '1h02m', 9 -> '9s'."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
 
 
 class TeeLogger:
@@ -65,11 +100,6 @@ class TeeLogger:
             logger.close()
 
 
-def format_line(metrics: dict[str, float], step: int) -> str:
-    """'step 120 | train/loss 5.432 | train/lr 0.000312 | ...' with 4 significant digits."""
-    return " | ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())])
-
-
 class _TqdmHandler(logging.Handler):
     """Log records through tqdm.write, so they never break the progress bar; sys.stdout is
     looked up at each record (it is replaced under test runners)."""
@@ -82,13 +112,16 @@ class _TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
-def setup_logging(is_main: bool) -> None:
-    """Messages of the `transformer` package to stdout: INFO on rank 0, warnings elsewhere."""
+def setup_logging(is_main: bool, timestamps: bool = True) -> None:
+    """Messages of the `transformer` package to stdout: INFO on rank 0, warnings elsewhere.
+    `timestamps=False` for a caller that stamps each line itself (the pipeline's logger)."""
     log = logging.getLogger("transformer")
-    if not any(isinstance(h, _TqdmHandler) for h in log.handlers):
+    handler = next((h for h in log.handlers if isinstance(h, _TqdmHandler)), None)
+    if handler is None:
         handler = _TqdmHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
+    fmt = "%(asctime)s %(levelname)s %(message)s" if timestamps else "%(levelname)s %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
     log.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
@@ -107,11 +140,12 @@ class TrainMeter:
         self.loss = self.nll = self.tokens = self.grad_norm = self.seconds = 0.0
         self.updates = 0
 
-    def add(self, loss: float, nll: float, tokens: float, grad_norm: float, seconds: float):
-        self.loss += loss
-        self.nll += nll
-        self.tokens += tokens
-        self.grad_norm += grad_norm
+    def add(self, result, seconds: float) -> None:
+        """`result`: a train.StepResult (sums over the update's target tokens)."""
+        self.loss += result.loss
+        self.nll += result.nll
+        self.tokens += result.tokens
+        self.grad_norm += result.grad_norm
         self.seconds += seconds
         self.updates += 1
 

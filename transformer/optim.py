@@ -1,4 +1,5 @@
-"""Adam with the paper's warmup then inverse-square-root learning rate (section 5.3)."""
+"""Adam with the paper's warmup then inverse-square-root learning rate (section 5.3), and
+the gradient norm (clipping is off in the paper, available here)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,13 @@ def build_optimizer(
         lambda k: inverse_sqrt_schedule(k + 1, d_model, cfg.warmup_steps, cfg.lr_scale),
     )
     return optimizer, scheduler
+
+
+def clip_gradients(model: torch.nn.Module, clip_norm: float) -> torch.Tensor:
+    """The global gradient norm (always, for the log and the finiteness check); clipped to
+    `clip_norm` when it is > 0. After DDP's all-reduce every rank holds the same gradients."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if clip_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, clip_norm, norm)
+    return norm

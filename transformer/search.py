@@ -22,11 +22,21 @@ Rules of the search, per sentence (each is a choice among the standard ones):
   It is also done at its maximum length. Done sentences leave the batch and the cache.
 
 Under CUDA the model runs in bf16 autocast; log_softmax and all scores are fp32.
+
+An ensemble (a list of models sharing the vocabulary) predicts the log of the mean of its
+members' next-token probabilities, as fairseq and Marian do.
+
+How it stays fast: the encoder output and the encoder-decoder keys and values stay one row
+per sentence, shared by its hypotheses, and the self-attention keys and values never move
+as hypotheses are reordered (model.KVCache); each step asks the host one question, which
+sentences are done; the finished n-best stay on the device, and the tokens of a hypothesis
+are traced back through each step's parents once, at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,30 +66,45 @@ def max_lengths(src: Tensor, max_len_a: float, max_len_b: int, cap: int | None) 
     return limit if cap is None else limit.clamp(max=cap)
 
 
-class _Stepper:
-    """Feeds one new token per row to the decoder and returns fp32 log-probabilities;
-    without the cache it re-runs the decoder over the whole prefix every step."""
+class _Decoder:
+    """The decoder over the live hypotheses: one new token per row and step in, fp32
+    log-probabilities of the next out. The encoder output stays one row per sentence;
+    the sentence's hypotheses are consecutive rows that share it. Without the cache the
+    decoder re-runs over the whole prefix every step (the reference the cache is tested
+    against). An ensemble's members each have their memory and cache."""
 
-    def __init__(self, model, src: Tensor, rows: Tensor, cached: bool):
-        self.model, self.cached = model, cached
-        pad = src == PAD
-        memory = model.encode(src)  # (B, S, D)
-        self.memory, self.pad = memory[rows], pad[rows]  # (N, S, D), (N, S)
-        self.cache = model.new_cache() if cached else None
+    def __init__(self, model, src: Tensor, longest: int, cached: bool):
+        self.models = model if isinstance(model, list | tuple) else [model]
+        self.pad = src == PAD  # (N, S)
+        self.memory = [m.encode(src) for m in self.models]  # (N, S, D) each
+        # BOS and up to `longest` tokens
+        self.caches = [m.new_cache(longest + 1) if cached else None for m in self.models]
+        self.prefix: Tensor | None = None  # without the cache: the tokens so far (R, t)
+        self.never = torch.tensor([PAD, BOS], device=src.device)  # never generated
 
-    def log_probs(self, tokens: Tensor) -> Tensor:
-        tgt = tokens[:, -1:] if self.cached else tokens
-        logits = self.model.decode(tgt, self.memory, self.pad, self.cache)[:, -1]  # (N, V)
-        lprobs = F.log_softmax(logits.float(), dim=-1)
-        lprobs[:, [PAD, BOS]] = float("-inf")
-        return lprobs
+    def log_probs(self, last: Tensor) -> Tensor:
+        """last (R,): each row's newest token -> (R, V) log p of the next token."""
+        tgt = last.unsqueeze(1)  # (R, 1)
+        if self.caches[0] is None:
+            tgt = self.prefix = tgt if self.prefix is None else torch.cat([self.prefix, tgt], 1)
+        lprobs = [
+            F.log_softmax(m.decode(tgt, memory, self.pad, cache)[:, -1].float(), dim=-1)
+            for m, memory, cache in zip(self.models, self.memory, self.caches, strict=True)
+        ]  # (R, V) each
+        if len(lprobs) > 1:  # log of the mean probability
+            lprobs = [torch.logsumexp(torch.stack(lprobs), dim=0) - math.log(len(lprobs))]
+        return lprobs[0].index_fill_(1, self.never, float("-inf"))
 
-    def select(self, index: Tensor, shrink: bool) -> None:
-        """Reorder rows; beams of one sentence share memory, so it moves only on shrink."""
-        if self.cache is not None:
-            self.cache.reorder(index)
-        if shrink:
-            self.memory, self.pad = self.memory[index], self.pad[index]
+    def select(self, rows: Tensor, sentences: Tensor | None) -> None:
+        """Continue from rows `rows` (R',); `sentences` (N',) when some left the batch."""
+        for cache in self.caches:
+            if cache is not None:
+                cache.reorder(rows, sentences)
+        if self.prefix is not None:
+            self.prefix = self.prefix[rows]
+        if sentences is not None:
+            self.memory = [memory[sentences] for memory in self.memory]
+            self.pad = self.pad[sentences]
 
 
 def _inference(device: torch.device):
@@ -92,9 +117,26 @@ def _inference(device: torch.device):
 
 def _force_eos(lprobs: Tensor, at_max: Tensor) -> None:
     """Rows at their maximum length may only end (in place, keeping EOS's log-probability)."""
-    eos = lprobs[at_max, EOS].clone()
-    lprobs[at_max] = float("-inf")
-    lprobs[at_max, EOS] = eos
+    not_eos = torch.arange(lprobs.size(1), device=lprobs.device) != EOS  # (V,)
+    lprobs.masked_fill_(at_max.unsqueeze(1) & not_eos, float("-inf"))
+
+
+def _limits(src: Tensor, max_len_a: float, max_len_b: int, cap: int | None):
+    """Each sentence's most output tokens (N,), and their minimum and maximum on the host."""
+    limit = max_lengths(src, max_len_a, max_len_b, cap)
+    shortest, longest = torch.stack([limit.min(), limit.max()]).tolist()
+    return limit, shortest, longest
+
+
+def _split(done: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The step's one host sync: None if no sentence is done, else (kept, gone) indices."""
+    flags = done.tolist()
+    if not any(flags):
+        return None
+    kept = [i for i, f in enumerate(flags) if not f]
+    gone = [i for i, f in enumerate(flags) if f]
+    as_index = lambda rows: torch.tensor(rows, dtype=torch.long, device=done.device)
+    return as_index(kept), as_index(gone)
 
 
 def greedy_search(
@@ -105,63 +147,115 @@ def greedy_search(
     max_len: int | None = None,
     cached: bool = True,
 ) -> list[list[int]]:
-    """The most probable next token until EOS, for each sentence of `src` (B, S).
+    """The most probable next token until EOS, for each sentence of `src` (B, S), with a
+    model or an ensemble (a list of models).
 
     Returns each sentence's output tokens without BOS/EOS, in the order of `src`.
     `cached=False` re-runs the decoder over the whole prefix each step (the reference).
     """
-    with _inference(src.device):
-        out: list[list[int]] = [[] for _ in range(src.size(0))]
-        sent = torch.arange(src.size(0), device=src.device)  # sentence of each live row
-        limit = max_lengths(src, max_len_a, max_len_b, max_len)
-        shortest = int(limit.min())
-        step = _Stepper(model, src, sent, cached)
-        tokens = torch.full((src.size(0), 1), BOS, dtype=torch.long, device=src.device)
-        for t in range(int(limit.max()) + 1):
-            lprobs = step.log_probs(tokens)  # (N, V)
+    dev = src.device
+    with _inference(dev):
+        limit, shortest, longest = _limits(src, max_len_a, max_len_b, max_len)
+        out = torch.full((src.size(0), longest + 1), EOS, device=dev)  # tokens, EOS-padded
+        sent = torch.arange(src.size(0), device=dev)  # sentence of each live row
+        decoder = _Decoder(model, src, longest, cached)
+        tok = torch.full((src.size(0),), BOS, device=dev)
+        for t in range(longest + 1):
+            lprobs = decoder.log_probs(tok)  # (N, V)
             if t >= shortest:
                 _force_eos(lprobs, limit <= t)
-            tokens = torch.cat([tokens, lprobs.argmax(dim=-1, keepdim=True)], dim=1)
-            done = tokens[:, -1] == EOS
-            if not done.any():
+            tok = lprobs.argmax(dim=-1)  # (N,)
+            out[sent, t] = tok
+            split = _split(tok == EOS)
+            if split is None:
                 continue
-            for s, toks in zip(sent[done].tolist(), tokens[done, 1:-1].tolist(), strict=True):
-                out[s] = toks
-            keep = (~done).nonzero().flatten()
-            if keep.numel() == 0:
+            kept, _ = split
+            if kept.numel() == 0:
                 break
-            step.select(keep, shrink=True)
-            tokens, sent, limit = tokens[keep], sent[keep], limit[keep]
-            shortest = int(limit.min())
+            tok, sent, limit = tok[kept], sent[kept], limit[kept]
+            decoder.select(kept, kept)
+        return [row[: row.index(EOS)] for row in out.tolist()]
+
+
+class _Beams:
+    """The live sentences' beams: for each, its k live hypotheses' sum of log p, and its
+    best finished ones, best first, as (score, logprob, step, row) in float64 rows: the
+    step it ended at and its row in that step's batch, from which `_History` traces its
+    tokens. Finished hypotheses stay on the device; `final` holds those of done sentences."""
+
+    def __init__(self, limit: Tensor, k: int, n_best: int, alpha: float):
+        n, dev = limit.size(0), limit.device
+        self.k, self.alpha = k, alpha
+        self.sent = torch.arange(n, device=dev)  # the batch index of each live sentence
+        self.limit = limit  # (N,) most output tokens
+        self.best_lp = length_penalty(limit.double() + 1, alpha).float()  # longest output's
+        self.scores = torch.zeros(n, 1, device=dev)  # (N, beams) sum of log p, live ones
+        self.kept = torch.full((n, n_best, 4), float("-inf"), dtype=torch.float64, device=dev)
+        self.final = self.kept.clone()
+
+    def advance(self, lprobs: Tensor, t: int) -> tuple[Tensor, Tensor]:
+        """Rank the extensions of step t; finish the EOS ones that enter the n-best.
+        Returns the live hypotheses' rows in this step's batch, and their new tokens."""
+        k = self.k
+        top, rows, tok = _expand(self.scores, lprobs, k)  # (N, 2k) each, best first
+        self._finish(top[:, :k], rows[:, :k], tok[:, :k], t)
+        live = _live(tok, k)  # (N, k)
+        self.scores = top.gather(1, live)
+        return rows.gather(1, live), tok.gather(1, live)
+
+    def _finish(self, top: Tensor, rows: Tensor, tok: Tensor, t: int) -> None:
+        """Merge the EOS extensions among the best k into each sentence's n-best; a stable
+        sort puts earlier ones first among equal scores."""
+        score = top / length_penalty(t + 1.0, self.alpha)  # (N, k); |Y| = t tokens + EOS
+        ends = (tok == EOS) & (score > self.kept[:, -1:, 0])  # -inf never enters
+        score = score.masked_fill(~ends, float("-inf"))
+        new = torch.stack([score, top, torch.full_like(top, t), rows.float()], dim=-1)
+        both = torch.cat([self.kept, new.double()], dim=1)  # (N, n_best + k, 4)
+        order = both[..., 0].sort(dim=1, descending=True, stable=True).indices
+        n_best = self.kept.size(1)
+        self.kept = both.gather(1, order[:, :n_best, None].expand(-1, -1, 4))
+
+    def done(self, t: int) -> Tensor:
+        """(N,) at the maximum length, or no live hypothesis can enter the n-best."""
+        bound = self.scores[:, 0] / self.best_lp
+        return (self.limit <= t) | (bound <= self.kept[:, -1, 0])
+
+    def keep(self, kept: Tensor, gone: Tensor) -> None:
+        self.final[self.sent[gone]] = self.kept[gone]
+        self.sent, self.limit, self.best_lp = self.sent[kept], self.limit[kept], self.best_lp[kept]
+        self.scores, self.kept = self.scores[kept], self.kept[kept]
+
+
+class _History:
+    """Each step's live hypotheses as (row of their parent in that step's batch, new
+    token): the tokens of a finished hypothesis are traced back once, at the end, instead
+    of being copied into each step's batch."""
+
+    def __init__(self):
+        self.steps: list[Tensor] = []  # (2, R) per step
+
+    def append(self, parents: Tensor, tokens: Tensor) -> None:
+        self.steps.append(torch.stack([parents, tokens]))
+
+    def hypotheses(self, final: Tensor) -> list[list[Hypothesis]]:
+        """final (B, n, 4): each sentence's n best (score, logprob, step, row), -inf empty."""
+        parents, tokens = torch.cat(self.steps, dim=1).tolist() if self.steps else ([], [])
+        start = [0]
+        for step in self.steps:
+            start.append(start[-1] + step.size(1))
+        out = []
+        for kept in final.tolist():
+            hyps = []
+            for score, logprob, t, row in kept:
+                if score == float("-inf"):
+                    break
+                toks, row = [], int(row)
+                for s in range(int(t) - 1, -1, -1):
+                    toks.append(tokens[start[s] + row])
+                    row = parents[start[s] + row]
+                hyps.append(Hypothesis(tokens=toks[::-1], score=score, logprob=logprob))
+            out.append(hyps)
         return out
-
-
-class _Finished:
-    """The best n finished hypotheses of each sentence, kept aside (Python bookkeeping:
-    only the few hypotheses that end at a step pass through here)."""
-
-    def __init__(self, n_sentences: int, n_best: int, device: torch.device):
-        self.n_best = n_best
-        self.hyps: list[list[Hypothesis]] = [[] for _ in range(n_sentences)]
-        # Per live sentence, the n_best-th best finished score; -inf while there are fewer.
-        self.worst = torch.full((n_sentences,), float("-inf"), device=device)
-
-    def add(self, live: list[int], sent: list[int], hyps: list[Hypothesis]) -> None:
-        """hyps[j] ends sentence sent[j], which is live sentence (row of `worst`) live[j]."""
-        changed: dict[int, float] = {}
-        for i, s, hyp in zip(live, sent, hyps, strict=True):
-            kept = self.hyps[s]
-            kept.append(hyp)
-            kept.sort(key=lambda h: -h.score)
-            del kept[self.n_best :]
-            if len(kept) == self.n_best:
-                changed[i] = kept[-1].score
-        if changed:
-            rows = torch.tensor(list(changed), device=self.worst.device)
-            self.worst[rows] = torch.tensor(list(changed.values()), device=self.worst.device)
-
-    def keep(self, index: Tensor) -> None:
-        self.worst = self.worst[index]
 
 
 def beam_search(
@@ -175,7 +269,8 @@ def beam_search(
     max_len: int | None = None,
     cached: bool = True,
 ) -> list[list[Hypothesis]]:
-    """Beam search for each sentence of `src` (B, S), PAD-padded, each ending with EOS.
+    """Beam search for each sentence of `src` (B, S), PAD-padded, each ending with EOS, with
+    a model or an ensemble (a list of models).
 
     Returns, in the order of `src`, each sentence's best `n_best` hypotheses, best first
     (fewer only if the model gives EOS probability 0). The module docstring has the rules.
@@ -187,48 +282,39 @@ def beam_search(
         raise ValueError(f"len_penalty ({len_penalty}) < 0: the early-stop bound needs >= 0")
     k, dev = beam_size, src.device
     with _inference(dev):
-        sent = torch.arange(src.size(0), device=dev)  # sentence of each live sentence
-        limit = max_lengths(src, max_len_a, max_len_b, max_len)
-        best_lp = length_penalty(limit.double() + 1, len_penalty).float()  # longest output's
-        shortest = int(limit.min())
-        finished = _Finished(src.size(0), n_best, dev)
-        step = _Stepper(model, src, sent.repeat_interleave(k), cached)
-        tokens = torch.full((src.size(0) * k, 1), BOS, dtype=torch.long, device=dev)  # (N*k, t)
-        scores = torch.zeros(src.size(0), k, device=dev)  # (N, k) sum of log p, live ones
-        scores[:, 1:] = float("-inf")  # at first the k beams are one: BOS
-        for t in range(int(limit.max()) + 1):
-            lprobs = step.log_probs(tokens)  # (N*k, V)
+        limit, shortest, longest = _limits(src, max_len_a, max_len_b, max_len)
+        beams, history = _Beams(limit, k, n_best, len_penalty), _History()
+        decoder = _Decoder(model, src, longest, cached)
+        tok = torch.full((src.size(0),), BOS, device=dev)  # newest tokens: one beam at first
+        for t in range(longest + 1):
+            lprobs = decoder.log_probs(tok)  # (N * beams, V)
             if t >= shortest:
-                _force_eos(lprobs, (limit <= t).repeat_interleave(k))
-            top, rows, tok = _expand(scores, lprobs, k)  # (N, 2k) each, best first
-            _finish(finished, top[:, :k], rows[:, :k], tok[:, :k], tokens, sent, t, len_penalty)
-            live = _live(tok, k)  # (N, k)
-            scores, rows, tok = top.gather(1, live), rows.gather(1, live), tok.gather(1, live)
-            done = (limit <= t) | (scores[:, 0] / best_lp <= finished.worst)
-            shrink = bool(done.any())
-            if shrink:
-                keep = (~done).nonzero().flatten()
-                if keep.numel() == 0:
+                _force_eos(lprobs, (beams.limit <= t).repeat_interleave(1 if t == 0 else k))
+            rows, tok = beams.advance(lprobs, t)  # (N, k) each
+            split = _split(beams.done(t))
+            if split is not None:
+                kept, gone = split
+                beams.keep(kept, gone)
+                if kept.numel() == 0:
                     break
-                scores, rows, tok = scores[keep], rows[keep], tok[keep]
-                sent, limit, best_lp = sent[keep], limit[keep], best_lp[keep]
-                finished.keep(keep)
-                shortest = int(limit.min())
-            step.select(rows.flatten(), shrink)
-            tokens = torch.cat([tokens[rows.flatten()], tok.reshape(-1, 1)], dim=1)
-        return finished.hyps
+                rows, tok = rows[kept], tok[kept]
+            rows, tok = rows.flatten(), tok.flatten()
+            history.append(rows, tok)
+            decoder.select(rows, None if split is None else kept)
+        return history.hypotheses(beams.final)
 
 
 def _expand(scores: Tensor, lprobs: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The best 2k of the k * V extensions of each sentence's live hypotheses.
+    """The best 2k of the beams * V extensions of each sentence's live hypotheses (beams:
+    1 at the first step, which extends BOS alone, then k).
 
     Each beam has one EOS extension, so the best 2k hold at least k that are not EOS.
-    Returns their sum of log p, their row in the (N * k) batch, and their new token.
+    Returns their sum of log p, their row in the (N * beams) batch, and their new token.
     """
-    n, vocab = scores.size(0), lprobs.size(-1)
-    cand = scores.unsqueeze(-1) + lprobs.view(n, k, vocab)  # (N, k, V)
-    top, idx = cand.view(n, k * vocab).topk(2 * k, dim=1)  # (N, 2k), best first
-    rows = torch.arange(n, device=scores.device).unsqueeze(1) * k + idx // vocab
+    (n, beams), vocab = scores.shape, lprobs.size(-1)
+    cand = scores.unsqueeze(-1) + lprobs.view(n, beams, vocab)  # (N, beams, V)
+    top, idx = cand.view(n, -1).topk(min(2 * k, beams * vocab), dim=1)  # (N, 2k), best first
+    rows = torch.arange(n, device=scores.device).unsqueeze(1) * beams + idx // vocab
     return top, rows, idx % vocab
 
 
@@ -236,19 +322,3 @@ def _live(tok: Tensor, k: int) -> Tensor:
     """Positions of the best k non-EOS extensions among the 2k, in their order."""
     rank = (tok == EOS).long() * tok.size(1) + torch.arange(tok.size(1), device=tok.device)
     return rank.topk(k, dim=1, largest=False).indices  # (N, k)
-
-
-def _finish(finished, top, rows, tok, tokens, sent, t: int, alpha: float) -> None:
-    """Keep aside the EOS extensions among the best k that enter a sentence's n-best."""
-    score = top / length_penalty(t + 1.0, alpha)  # (N, k); |Y| = t tokens + EOS
-    ends = (tok == EOS) & (score > finished.worst.unsqueeze(1))  # -inf never enters
-    if not ends.any():
-        return
-    live = ends.nonzero()[:, 0]
-    hyps = [
-        Hypothesis(tokens=toks, score=s, logprob=lp)
-        for toks, s, lp in zip(
-            tokens[rows[ends], 1:].tolist(), score[ends].tolist(), top[ends].tolist(), strict=True
-        )
-    ]
-    finished.add(live.tolist(), sent[live].tolist(), hyps)

@@ -3,58 +3,65 @@
     python -m transformer.train PARAMS --data SHARDS --out RUN_DIR [key=value ...]
     torchrun --nproc_per_node N -m transformer.train PARAMS --data SHARDS --out RUN_DIR
 
-Rerunning the command resumes from the newest readable checkpoint of RUN_DIR and continues
-the same trajectory (model, optimizer, schedule, every RNG, the data position); a finished
-run is a no-op. Resuming with other model/training params or other data is refused with
-the differences named, unless `--allow-param-change`; `--reset` starts over. Raising
-train.max_steps (and the other keys of RESUMABLE_CHANGES) extends a run freely.
+The trainer is a set of stateful parts (model, optimizer, schedule, data position, every
+rank's RNG, progress, early stopping, the checkpoint manager), each with `state_dict` /
+`load_state_dict`, saved together by the checkpoint manager. Rerunning the command resumes
+from the newest readable state and continues the same trajectory; a finished run is a
+no-op. Operational keys (config.operational: cadences, how long to train, patience, the
+memory bound max_tokens) may change on resume; any other model or train key, or other data,
+is refused with the differences named, unless `--allow-param-change`; `--reset` starts over.
 
-Exit codes: 0 trained to max_steps (or already there); 1 stopped after train.max_bad_steps
-non-finite updates in a row (the checkpoints are left as they were); 2 bad params, data or
-checkpoints (one line on stderr); 128 + signal number after SIGTERM/SIGINT: the current
-update is finished and saved first. Not 0, because an interrupted run is not a finished
-one: the pipeline marks a run folder DONE on exit 0, and its rerun resumes.
+Exit codes: 0 trained to train.max_steps or stopped early (or already there); 1 stopped
+after train.max_bad_steps non-finite updates in a row; 2 bad params, data or checkpoints
+(one line on stderr); 128 + signal number after SIGTERM/SIGINT: the current update is
+finished and saved first. Not 0, because an interrupted run is not a finished one.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import fcntl
 import logging
 import math
-import os
 import random
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from transformer import checkpoint as ckpt
+from transformer.checkpoint import (
+    KEEP_STATES,
+    STATE_FORMAT,
+    CheckpointError,
+    CheckpointManager,
+    RankRNG,
+    load_typed,
+    resume_differences,
+)
+from transformer.cli import ArgumentParser
 from transformer.config import Params, ParamsError, load_params, to_dict
 from transformer.data import DataError
 from transformer.data.batching import Batch, BatchLoader, ShardDataset, TokenBatchSampler
+from transformer.data.shard import verify_shards
 from transformer.distributed import (
     DistEnv,
-    all_gather_objects,
     all_reduce_sum,
     barrier,
     broadcast_object,
+    distribute,
     init_distributed,
     shutdown,
 )
-from transformer.loss import label_smoothed_nll
+from transformer.files import CHECKPOINTS, SPM_MODEL, atomic_write
+from transformer.lifecycle import StopSignal, die_with_parent, prepare_run_dir
+from transformer.loss import label_smoothed_loss
 from transformer.metrics import (
     ConsoleLogger,
     MetricsLogger,
@@ -64,28 +71,12 @@ from transformer.metrics import (
     setup_logging,
 )
 from transformer.model import Transformer
-from transformer.optim import build_optimizer
-from transformer.vocab import EOS, PAD, VocabError, load_spm
+from transformer.optim import build_optimizer, clip_gradients
+from transformer.validate import EarlyStopping, validate
+from transformer.vocab import PAD, VocabError, load_spm
 
 log = logging.getLogger("transformer.train")  # not "__main__" under -m
 
-SPM_NAME = "spm.model"
-# Keys that change how long or how visibly a run goes, never its trajectory.
-RESUMABLE_CHANGES = frozenset(
-    f"train.{key}"
-    for key in (
-        "max_steps",
-        "save_every",
-        "keep_last",
-        "valid_every",
-        "valid_bleu",
-        "log_every",
-        "max_bad_steps",
-        "nproc_per_node",
-        "timeout_minutes",
-        "compile",
-    )
-)
 EXIT_BAD_STEPS, EXIT_USAGE = 1, 2
 
 
@@ -94,12 +85,11 @@ class TrainError(RuntimeError):
 
 
 @dataclass
-class TrainState:
+class Progress:
     step: int = 0  # optimizer updates applied
     bad_steps: int = 0  # non-finite updates in a row
     bad_steps_total: int = 0
     tokens_seen: int = 0  # target tokens of the applied updates, all ranks
-    best_valid_loss: float = math.inf
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,30 +99,282 @@ class TrainState:
             setattr(self, key, value)
 
 
-@dataclass
-class Trainer:
-    """Everything a step needs; `model` is the bare module, `net` what the step calls
-    (DistributedDataParallel around it when there are several ranks)."""
+def batch_plan(batch_tokens: int, max_tokens: int, world_size: int) -> tuple[int, int]:
+    """(update_freq, tokens per micro-batch): the fewest micro-batches per rank for which
+    `batch_tokens` of an update, shared out over the ranks, fit `max_tokens` each."""
+    update_freq = math.ceil(batch_tokens / (world_size * max_tokens))
+    return update_freq, batch_tokens // (world_size * update_freq)
 
-    params: Params
-    env: DistEnv
-    run_dir: Path
-    model: Transformer
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_loader: BatchLoader
-    valid: ShardDataset
-    sp: Any  # sentencepiece.SentencePieceProcessor
-    fingerprint: str
-    net: nn.Module | None = None
-    state: TrainState = field(default_factory=TrainState)
-    saved_step: int | None = None  # the step of the last step checkpoint this run wrote
+
+@dataclass
+class StepResult:
+    ok: bool  # loss and gradient finite: the update was applied
+    loss: float  # sums over the update's target tokens, all ranks
+    nll: float
+    tokens: float
+    grad_norm: float
+    lr: float
+    stop: bool  # some rank was asked to stop
+
+
+class Trainer:
+    """Everything a run needs; `model` is the bare module, `net` what a step calls (DDP
+    around it with several ranks, compiled if asked)."""
+
+    def __init__(self, params: Params, env: DistEnv, shards: Path, run_dir: Path):
+        cfg = self.cfg = params.train
+        self.params, self.env, self.run_dir = params, env, run_dir
+        if env.is_main:  # sizes always, checksums once per shards folder
+            verify_shards(shards)
+        barrier()
+        train = ShardDataset(shards, "train")
+        self.valid, self.fingerprint = ShardDataset(shards, "valid"), train.fingerprint
+        self.sp = load_spm(train.spm_model)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.model = Transformer(params.model, self.sp.get_piece_size(), PAD).to(env.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg, params.model.d_model)
+        seed_everything(cfg.seed + env.rank)  # each rank its own dropout stream from here
+        self.update_freq, micro = batch_plan(cfg.batch_tokens, cfg.max_tokens, env.world_size)
+        try:
+            sampler = TokenBatchSampler.from_dataset(
+                train, micro, seed=cfg.seed, rank=env.rank, world_size=env.world_size
+            )
+        except ValueError as err:
+            raise TrainError(f"train split of {shards}: {err}") from None
+        cuda = env.device.type == "cuda"
+        self.loader = BatchLoader(train, sampler, prefetch=self.update_freq + 1, pin_memory=cuda)
+        self.progress = Progress()
+        self.stopping = EarlyStopping(cfg.best_metric, cfg.patience)
+        self.checkpoints = CheckpointManager(
+            run_dir, cfg.keep_last, cfg.keep_best, self.stopping.higher_is_better
+        )
+        self.parts = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "data": self.loader,
+            "rng": RankRNG(env.rank),
+            "progress": self.progress,
+            "early_stopping": self.stopping,
+            "checkpoints": self.checkpoints,
+        }
+        self.net: torch.nn.Module = self.model
+        self.saved_step: int | None = None  # the step of the last state this run wrote
 
     def autocast(self):
         # bf16 autocast with fp32 master weights, on GPU only (the CPU runs fp32).
-        if self.env.device.type == "cuda" and self.params.train.precision == "bf16":
+        if self.env.device.type == "cuda" and self.cfg.precision == "bf16":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    @property
+    def finished(self) -> bool:
+        return self.progress.step >= self.cfg.max_steps or self.stopping.stopped
+
+    # ------------------------------------------------------------------- resume
+
+    def resume(self, allow_change: bool) -> None:
+        """Load the newest readable state, if any; refuse another run unless allowed."""
+        found = self.checkpoints.load_latest() if self.env.is_main else None
+        path = broadcast_object(str(found[0]) if found else None)  # every rank, one file
+        if path is None:
+            log.info("no checkpoint in %s: starting at step 0", self.run_dir)
+            return
+        state = found[1] if found else load_typed(path, STATE_FORMAT, mmap=True)
+        differences = resume_differences(state["params"], to_dict(self.params))
+        if state["data_fingerprint"] != self.fingerprint:
+            differences.append(
+                f"data fingerprint {state['data_fingerprint']} in checkpoint, "
+                f"{self.fingerprint} now: other shards"
+            )
+        if differences and not allow_change:
+            raise TrainError(
+                f"cannot resume from {path}: {'; '.join(differences)}. Rerun with "
+                "--allow-param-change to continue anyway, or --reset to start over"
+            )
+        for line in differences:
+            log.warning("resuming despite a difference (--allow-param-change): %s", line)
+        try:
+            for name, part in self.parts.items():
+                part.load_state_dict(state[name])
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise TrainError(f"{path}: does not fit this run: {err}") from None
+        self.saved_step = self.progress.step
+        log.info("resumed from %s at step %d", path, self.progress.step)
+
+    # ------------------------------------------------------------------- the loop
+
+    def fit(self, logger: MetricsLogger, stop: StopSignal) -> int:
+        meter = TrainMeter()
+        batches = iter(self.loader)
+        while not self.finished:
+            start = time.perf_counter()
+            micro = [next(batches).to(self.env.device) for _ in range(self.update_freq)]
+            result = self.step(micro, stop.requested)
+            if result.ok:
+                self.progress.step += 1
+                self.progress.bad_steps = 0
+                self.progress.tokens_seen += int(result.tokens)
+                meter.add(result, time.perf_counter() - start)
+                self.after_update(meter, logger, result.lr)
+            elif self.bad_step(result):
+                return EXIT_BAD_STEPS
+            if result.stop and not self.finished:
+                return self.save_and_stop(stop)
+        return 0
+
+    def step(self, batches: list[Batch], stop_requested: bool) -> StepResult:
+        """One update from this rank's micro-batches (gradients all-reduced after the last).
+        One host sync: the finiteness check reads the update's sums back."""
+        dev, world = self.env.device, self.env.world_size
+        # A fill, not a copy from the host: no sync. DDP averages gradients over ranks, so
+        # times world / (the update's target tokens on all ranks) the gradient is that of the
+        # update's summed loss per target token, however it is split.
+        tokens = torch.full((), float(sum(b.n_tgt_tokens for b in batches)), device=dev)
+        scale = world / all_reduce_sum(tokens)
+        sums = torch.zeros(3, device=dev)  # loss, nll, stop
+        for i, batch in enumerate(batches):
+            with self.sync_gradients(last=i == len(batches) - 1):
+                loss, nll = self.forward_loss(batch)
+                (loss * scale).backward()
+            sums[0] += loss.detach()
+            sums[1] += nll
+        grad_norm = clip_gradients(self.model, self.cfg.clip_norm)
+        sums[2] = float(stop_requested)
+        all_reduce_sum(sums)
+        loss, nll, stop, n_tokens, norm = torch.cat([sums, tokens[None], grad_norm[None]]).tolist()
+        ok = math.isfinite(loss) and math.isfinite(norm)  # the same on every rank
+        lr = self.optimizer.param_groups[0]["lr"]
+        if ok:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(ok, loss, nll, n_tokens, norm, lr, stop > 0)
+
+    def sync_gradients(self, last: bool):
+        """All-reduce only on the update's last micro-batch (DDP's no_sync for the others)."""
+        ddp = getattr(self.net, "_orig_mod", self.net)
+        if isinstance(ddp, DistributedDataParallel) and not last:
+            return ddp.no_sync()
+        return contextlib.nullcontext()
+
+    def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed label-smoothed loss (optimised) and NLL (reported), over the non-padding
+        target positions only, from one log-softmax (loss.py)."""
+        with self.autocast():
+            hidden = self.net(batch.src, batch.tgt_in, project=False)  # (B, T, D)
+        rows = hidden.flatten(0, 1).index_select(0, batch.tgt_positions)  # (N, D)
+        targets = batch.tgt_out.flatten().index_select(0, batch.tgt_positions)  # (N,)
+        with self.autocast():
+            return label_smoothed_loss(
+                rows, self.model.out_proj.weight, targets, self.cfg.label_smoothing
+            )
+
+    def bad_step(self, result: StepResult) -> bool:
+        """Count a skipped update; True when there were too many in a row."""
+        p, limit = self.progress, self.cfg.max_bad_steps
+        p.bad_steps += 1
+        p.bad_steps_total += 1
+        what = "loss" if not math.isfinite(result.loss) else "gradient"
+        log.warning(
+            "non-finite %s after step %d: update skipped (%d in a row, train.max_bad_steps=%d)",
+            what, p.step, p.bad_steps, limit,
+        )  # fmt: skip
+        if p.bad_steps < limit:
+            return False
+        last = "none" if self.saved_step is None else f"step {self.saved_step}"
+        log.error("stopping: %d non-finite updates in a row; the last saved state: %s",
+                  limit, last)  # fmt: skip
+        return True
+
+    def after_update(self, meter: TrainMeter, logger: MetricsLogger, lr: float) -> None:
+        """Log, validate and checkpoint on their schedules (and all three at the end)."""
+        cfg, step = self.cfg, self.progress.step
+        last = step == cfg.max_steps
+        if step % cfg.log_every == 0 or last:
+            logger.log(meter.metrics(lr, self.progress.bad_steps_total), step)
+        improved, score = False, None
+        if step % cfg.valid_every == 0 or last:
+            metrics = validate(self.model, self.valid, self.sp, self.params, self.env,
+                               self.autocast())  # fmt: skip
+            improved = self.stopping.update(metrics, step)
+            score = metrics[self.stopping.key]
+            logger.log({**metrics, "valid/best": self.stopping.best}, step)
+            if self.stopping.stopped:
+                log.info("early stop: no better %s in %d validations; the best, %.4g, at "
+                         "step %d", self.stopping.key, cfg.patience, self.stopping.best,
+                         self.stopping.best_step)  # fmt: skip
+        due = step % cfg.save_every == 0 or self.finished
+        if due or (improved and cfg.keep_best > 0):
+            self.save(score, full=due)
+
+    def save_and_stop(self, stop: StopSignal) -> int:
+        if self.saved_step != self.progress.step:
+            self.save(None, full=True)
+        signum = stop.signum or signal.SIGTERM  # another rank may have been the one signalled
+        name = signal.Signals(signum).name
+        log.warning("stopped by %s at step %d, checkpoint saved", name, self.progress.step)
+        return 128 + signum
+
+    # ------------------------------------------------------------------- checkpoints
+
+    def save(self, score: float | None, full: bool) -> None:
+        """A model snapshot (for averaging) and, if `full`, the training state; a collective
+        (every rank's RNG is gathered)."""
+        step = self.progress.step
+        if self.env.is_main:
+            meta = {
+                "params": to_dict(self.params),
+                "data_fingerprint": self.fingerprint,
+                "metric": self.stopping.key,
+                "higher_is_better": self.stopping.higher_is_better,
+            }
+            self.checkpoints.snapshot(step, meta, self.model.state_dict(), score)
+        if full:
+            state = {name: part.state_dict() for name, part in self.parts.items()}
+            if self.env.is_main:
+                self.checkpoints.save_state(step, {**self.describe_state(), **state})
+            self.saved_step = step
+        barrier()
+
+    def describe_state(self) -> dict[str, Any]:
+        return {
+            "params": to_dict(self.params),
+            "step": self.progress.step,
+            "data_fingerprint": self.fingerprint,
+            "world_size": self.env.world_size,
+            "torch_version": str(torch.__version__),  # TorchVersion is no safe global
+        }
+
+    def describe(self) -> None:
+        cfg, env = self.cfg, self.env
+        n_params = sum(p.numel() for p in self.model.parameters())
+        log.info("rank %d of %d on %s; model: %.2fM parameters",
+                 env.rank, env.world_size, env.device, n_params / 1e6)  # fmt: skip
+        if env.device.type == "cpu" and cfg.precision != "fp32":
+            log.info("train.precision=%s applies on GPU only: training in fp32 on CPU",
+                     cfg.precision)  # fmt: skip
+        micro = self.loader.sampler.max_tokens
+        log.info("an update: %d rank(s) x %d micro-batch(es) of <= %d tokens (batch_tokens %d, "
+                 "padding counted); the loss is normalised by its real target tokens",
+                 env.world_size, self.update_freq, micro, cfg.batch_tokens)  # fmt: skip
+        # fp32 weights; a training state adds Adam's two moments. One more of each while a
+        # new file is written beside the one it replaces.
+        model_gb = n_params * 4 / 1e9
+        states, snapshots = KEEP_STATES + 1, cfg.keep_last + cfg.keep_best + 1
+        need = states * 3 * model_gb + snapshots * model_gb
+        free = shutil.disk_usage(self.run_dir).free / 1e9
+        log.info("disk: up to %.1f GB in %s (%d training states of %.2f GB, %d snapshots "
+                 "of %.2f GB); %.1f GB free", need, self.run_dir / CHECKPOINTS, states,
+                 3 * model_gb, snapshots, model_gb, free)  # fmt: skip
+        if need > free:
+            log.warning("the checkpoints may not fit: %.1f GB needed, %.1f GB free", need, free)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -151,10 +393,12 @@ def main(argv: list[str] | None = None, logger: MetricsLogger | None = None) -> 
         print(f"error: {err}".replace("\n", "; "), file=sys.stderr)
         return EXIT_USAGE
     env = init_distributed()
-    setup_logging(env.is_main)
+    setup_logging(env.is_main, timestamps=not args.no_timestamps)
     try:
-        return run(params, args, env, logger)
-    except (TrainError, DataError, VocabError, ckpt.CheckpointError) as err:
+        die_with_parent(args.die_with_parent)
+        with prepare_run_dir(args.out, args.reset, env):
+            return run(params, args, env, logger)
+    except (TrainError, DataError, VocabError, CheckpointError, OSError) as err:
         rank = f" (rank {env.rank})" if env.distributed else ""
         print(f"error{rank}: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -163,7 +407,7 @@ def main(argv: list[str] | None = None, logger: MetricsLogger | None = None) -> 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m transformer.train", description="Train (or resume) a Transformer."
     )
     parser.add_argument("params", type=Path, help="params YAML file")
@@ -174,497 +418,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument(
         "--allow-param-change",
         action="store_true",
-        help="resume even if params, data or world size differ from the checkpoint's",
+        help="resume even if params or data differ from the checkpoint's",
     )
     mode.add_argument("--reset", action="store_true", help="delete the checkpoints, start over")
+    parser.add_argument(
+        "--no-timestamps",
+        action="store_true",
+        help="log lines without a time (a caller that adds its own)",
+    )
+    parser.add_argument(
+        "--die-with-parent",
+        action="store_true",
+        help="save and stop if the launching process dies (always so under torchrun)",
+    )
     return parser.parse_intermixed_args(argv)
 
 
 def run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsLogger | None):
-    die_with_parent()
-    with prepare_run_dir(args.out, args.reset, env):
-        return _run(params, args, env, logger)
-
-
-def _run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsLogger | None):
-    t = build(params, env, args.data, args.out)
-    resume(t, args.allow_param_change)
-    copy_vocab(t)
-    if t.state.step >= params.train.max_steps:
-        log.info("step %d >= train.max_steps: nothing to do", t.state.step)
+    t = Trainer(params, env, args.data, args.out)
+    t.describe()
+    t.resume(args.allow_param_change)
+    if env.is_main:  # the run folder's copy of the vocabulary: the export bundles it
+        atomic_write(args.out / SPM_MODEL, t.sp.serialized_model_proto())
+    if t.finished:
+        early = ", stopped early" if t.stopping.stopped else ""
+        log.info("step %d: nothing to do (train.max_steps %d%s)",
+                 t.progress.step, params.train.max_steps, early)  # fmt: skip
         return 0
-    t.net = distribute(t.model, params, env)
-    if env.is_main:
-        console = ConsoleLogger(params.train.max_steps, t.state.step)
-        metrics_logger = TeeLogger(console, logger) if logger else console
-    else:
-        metrics_logger = NullLogger()
+    t.net = distribute(t.model, env, params.train.compile)
+    console = ConsoleLogger(params.train.max_steps, t.progress.step) if env.is_main else None
+    sink = TeeLogger(console, logger) if console and logger else console or NullLogger()
     stop = StopSignal()
     try:
         stop.install()
-        return train_loop(t, metrics_logger, stop)
+        return t.fit(sink, stop)
     finally:
         stop.restore()
-        t.train_loader.close()
-        metrics_logger.close()
-
-
-# --------------------------------------------------------------------------- setup
-
-
-@contextlib.contextmanager
-def prepare_run_dir(run_dir: Path, reset: bool, env: DistEnv) -> Iterator[None]:
-    """Rank 0 holds the run folder's lock for the whole run: one trainer per folder (a rerun
-    that races a dying predecessor waits for it to save and exit)."""
-    with contextlib.ExitStack() as held:
-        if env.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            held.enter_context(_lock(run_dir / ".lock"))
-            if reset:
-                shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
-                log.info("--reset: deleted the checkpoints of %s", run_dir)
-            ckpt.remove_partial_writes(run_dir)
-        barrier()
-        yield
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("another trainer is running in %s: waiting for it", path.parent)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock, also when the process dies
-
-
-def die_with_parent() -> None:
-    """torchrun starts every rank in a session of its own, so a SIGKILL of torchrun (or of
-    the pipeline around it) would leave the ranks training on, orphaned, beside a rerun.
-    Linux can send a SIGTERM when the parent dies: the rank then saves and exits."""
-    if sys.platform == "linux" and "TORCHELASTIC_RUN_ID" in os.environ:
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() == 1:  # the parent died before the request: act on it now
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-def copy_vocab(t: Trainer) -> None:
-    """The run folder gets the shards' sentencepiece model: the export bundles it. Only once
-    the checkpoint is known to be of these shards, so a refused resume leaves it alone."""
-    if t.env.is_main:
-        tmp = t.run_dir / f".{SPM_NAME}.tmp"
-        shutil.copyfile(t.valid.spm_model, tmp)
-        os.replace(tmp, t.run_dir / SPM_NAME)
-
-
-def build(params: Params, env: DistEnv, shards: Path, run_dir: Path) -> Trainer:
-    cfg = params.train
-    train, valid = ShardDataset(shards, "train"), ShardDataset(shards, "valid")
-    sp = load_spm(train.spm_model)
-    # The same seed on every rank: identical initial weights (DDP broadcasts them anyway).
-    torch.manual_seed(cfg.seed)
-    model = Transformer(params.model, sp.get_piece_size(), pad_id=PAD).to(env.device)
-    optimizer, scheduler = build_optimizer(model, cfg, params.model.d_model)
-    # Each rank its own dropout stream from here on (restored from a checkpoint instead).
-    seed_everything(cfg.seed + env.rank)
-    try:
-        sampler = TokenBatchSampler.from_dataset(
-            train, cfg.max_tokens, seed=cfg.seed, rank=env.rank, world_size=env.world_size
-        )
-    except ValueError as err:
-        raise TrainError(f"train split of {shards}: {err}") from None
-    loader = BatchLoader(
-        train, sampler, prefetch=max(2, cfg.update_freq), pin_memory=env.device.type == "cuda"
-    )
-    t = Trainer(
-        params, env, run_dir, model, optimizer, scheduler, loader, valid, sp, train.fingerprint
-    )
-    describe(t)
-    return t
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-
-
-def describe(t: Trainer) -> None:
-    cfg, env = t.params.train, t.env
-    n_params = sum(p.numel() for p in t.model.parameters())
-    log.info(
-        "rank %d of %d on %s; model: %.2fM parameters",
-        env.rank,
-        env.world_size,
-        env.device,
-        n_params / 1e6,
-    )
-    if env.device.type == "cpu" and cfg.precision != "fp32":
-        log.info("train.precision=%s applies on GPU only: training in fp32 on CPU", cfg.precision)
-    log.info(
-        "an update: %d rank(s) x %d micro-batch(es) x <= %d tokens (padding counted), "
-        "so up to %d tokens; the loss is normalised by the real target tokens of the update",
-        env.world_size,
-        cfg.update_freq,
-        cfg.max_tokens,
-        env.world_size * cfg.update_freq * cfg.max_tokens,
-    )
-
-
-def distribute(model: Transformer, params: Params, env: DistEnv) -> nn.Module:
-    """Compile (in place: state_dict keys stay unprefixed), then wrap in DDP if needed."""
-    if params.train.compile:
-        model.compile()
-    if not env.distributed:
-        return model
-    device_ids = [env.device] if env.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-
-
-# --------------------------------------------------------------------------- resume
-
-
-def resume(t: Trainer, allow_change: bool) -> None:
-    """Load the newest readable checkpoint, if any; refuse a different run unless allowed."""
-    found = ckpt.load_latest(t.run_dir) if t.env.is_main else None
-    path = broadcast_object(str(found[0]) if found else None)  # every rank the same file
-    if path is None:
-        log.info("no checkpoint in %s: starting at step 0", t.run_dir)
-        return
-    state = found[1] if found else ckpt.load_checkpoint(path)
-    differences = ckpt.resume_differences(
-        state, to_dict(t.params), t.fingerprint, t.env.world_size, RESUMABLE_CHANGES
-    )
-    if differences and not allow_change:
-        raise TrainError(
-            f"cannot resume from {path}: "
-            + "; ".join(differences)
-            + ". Rerun with --allow-param-change to continue anyway, or --reset to start over"
-        )
-    for line in differences:
-        log.warning("resuming despite a difference (--allow-param-change): %s", line)
-    load_state(t, state, path)
-    log.info("resumed from %s at step %d", path, t.state.step)
-
-
-def load_state(t: Trainer, state: dict, path: str) -> None:
-    try:
-        t.model.load_state_dict(state["model"])
-        t.optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as err:
-        raise TrainError(f"{path}: does not fit this model: {err}") from None
-    t.scheduler.load_state_dict(state["scheduler"])
-    t.state.load_state_dict(state["train_state"])
-    restore_data_position(t.train_loader, state["data"])
-    rngs = state["rng"]
-    if t.env.rank < len(rngs):
-        ckpt.set_rng_state(rngs[t.env.rank])
-    else:
-        log.warning("no RNG state for rank %d in %s: a fresh dropout stream", t.env.rank, path)
-
-
-def restore_data_position(loader: BatchLoader, saved: dict) -> None:
-    """The sampler's position; if the batches changed (other world size or data, allowed),
-    the same fraction of the same epoch instead."""
-    try:
-        loader.load_state_dict(saved)
-        return
-    except ValueError as err:
-        log.warning("data position: %s; continuing from the same point of the epoch", err)
-    old_per_rank = math.ceil(saved["n_batches"] / saved["world_size"])
-    new = loader.state_dict()
-    per_rank = loader.sampler.batches_per_rank
-    position = min(per_rank - 1, round(saved["position"] / old_per_rank * per_rank))
-    loader.load_state_dict({**new, "consumed": saved["epoch"] * per_rank + position})
-
-
-# --------------------------------------------------------------------------- the loop
-
-
-@dataclass
-class StepResult:
-    ok: bool  # loss and gradient finite: the update was applied
-    loss: float  # sums over the update's target tokens, all ranks
-    nll: float
-    tokens: float
-    grad_norm: float
-    lr: float
-    stop: bool  # some rank was asked to stop
-
-
-def train_loop(t: Trainer, logger: MetricsLogger, stop: StopSignal) -> int:
-    cfg = t.params.train
-    meter = TrainMeter()
-    batches = iter(t.train_loader)
-    while t.state.step < cfg.max_steps:
-        start = time.perf_counter()
-        micro = [next(batches).to(t.env.device) for _ in range(cfg.update_freq)]
-        result = train_step(t, micro, stop.requested)
-        if result.ok:
-            t.state.step += 1
-            t.state.bad_steps = 0
-            t.state.tokens_seen += int(result.tokens)
-            meter.add(
-                result.loss,
-                result.nll,
-                result.tokens,
-                result.grad_norm,
-                time.perf_counter() - start,
-            )
-            after_update(t, meter, logger, result.lr)
-        elif bad_step(t, result):
-            return EXIT_BAD_STEPS
-        if result.stop and t.state.step < cfg.max_steps:
-            return save_and_stop(t, stop)
-    return 0
-
-
-def train_step(t: Trainer, batches: list[Batch], stop_requested: bool) -> StepResult:
-    """One update from this rank's micro-batches (gradients all-reduced after the last)."""
-    tokens = torch.tensor(float(sum(b.n_tgt_tokens for b in batches)), device=t.env.device)
-    all_reduce_sum(tokens)
-    # DDP averages gradients over ranks: times world_size / (the update's target tokens on
-    # all ranks), the result is the gradient of the update's summed loss per target token,
-    # whatever the split over ranks and micro-batches.
-    scale = t.env.world_size / tokens
-    sums = torch.zeros(3, device=t.env.device)  # loss, nll, stop
-    for i, batch in enumerate(batches):
-        with sync_gradients(t.net, last=i == len(batches) - 1):
-            loss, nll = forward_loss(t, batch)
-            (loss * scale).backward()
-        sums[0] += loss.detach()
-        sums[1] += nll
-    grad_norm = clip_gradients(t.model, t.params.train.clip_norm)
-    sums[2] = float(stop_requested)
-    all_reduce_sum(sums)
-    loss, nll, stop, n_tokens, norm = torch.cat([sums, tokens[None], grad_norm[None]]).tolist()
-    ok = math.isfinite(loss) and math.isfinite(norm)  # the same on every rank: all-reduced
-    lr = t.optimizer.param_groups[0]["lr"]
-    if ok:
-        t.optimizer.step()
-        t.scheduler.step()
-    t.optimizer.zero_grad(set_to_none=True)
-    return StepResult(ok, loss, nll, n_tokens, norm, lr, stop > 0)
-
-
-def sync_gradients(net: nn.Module, last: bool):
-    """All-reduce only on the update's last micro-batch (DDP's no_sync for the others)."""
-    if isinstance(net, DistributedDataParallel) and not last:
-        return net.no_sync()
-    return contextlib.nullcontext()
-
-
-def forward_loss(t: Trainer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed label-smoothed loss (what is optimised) and summed NLL (what is reported)."""
-    eps = t.params.train.label_smoothing
-    with t.autocast():
-        logits = t.net(batch.src, batch.tgt_in)  # (B, T, V)
-    loss, _ = label_smoothed_nll(logits, batch.tgt_out, eps, PAD)
-    if eps == 0:
-        return loss, loss.detach()
-    with torch.no_grad():
-        nll = F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            batch.tgt_out.flatten(),
-            ignore_index=PAD,
-            reduction="sum",
-        )
-    return loss, nll
-
-
-def clip_gradients(model: nn.Module, clip_norm: float) -> torch.Tensor:
-    """The global gradient norm (always, for the log and the finiteness check); clipped to
-    `clip_norm` when it is > 0. After DDP's all-reduce every rank holds the same gradients."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if clip_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, clip_norm, norm)
-    return norm
-
-
-def bad_step(t: Trainer, result: StepResult) -> bool:
-    """Count a skipped update; True when there were too many in a row."""
-    t.state.bad_steps += 1
-    t.state.bad_steps_total += 1
-    limit = t.params.train.max_bad_steps
-    log.warning(
-        "non-finite %s after step %d: update skipped (%d in a row, train.max_bad_steps=%d)",
-        "loss" if not math.isfinite(result.loss) else "gradient",
-        t.state.step,
-        t.state.bad_steps,
-        limit,
-    )
-    if t.state.bad_steps < limit:
-        return False
-    saved = ckpt.list_checkpoints(t.run_dir)
-    log.error(
-        "stopping: %d non-finite updates in a row; the last good checkpoint is %s",
-        limit,
-        saved[-1] if saved else "none (no checkpoint was written)",
-    )
-    return True
-
-
-def after_update(t: Trainer, meter: TrainMeter, logger: MetricsLogger, lr: float) -> None:
-    """Log, validate and checkpoint on their schedules (and all three at the last step)."""
-    cfg, step = t.params.train, t.state.step
-    last = step == cfg.max_steps
-    if step % cfg.log_every == 0 or last:
-        logger.log(meter.metrics(lr, t.state.bad_steps_total), step)
-    improved = False
-    if step % cfg.valid_every == 0 or last:
-        metrics = validate(t)
-        logger.log(metrics, step)
-        improved = metrics["valid/loss"] < t.state.best_valid_loss
-        if improved:
-            t.state.best_valid_loss = metrics["valid/loss"]
-    if step % cfg.save_every == 0 or last or improved:
-        save(t, due=step % cfg.save_every == 0 or last, best=improved)
-
-
-def save_and_stop(t: Trainer, stop: StopSignal) -> int:
-    if t.saved_step != t.state.step:
-        save(t, due=True, best=False)
-    signum = stop.signum or signal.SIGTERM  # another rank may have been the one signalled
-    log.warning(
-        "stopped by %s at step %d, checkpoint saved", signal.Signals(signum).name, t.state.step
-    )
-    return 128 + signum
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def save(t: Trainer, due: bool, best: bool) -> None:
-    """A step checkpoint if `due`, and/or the best one; a collective (every rank's RNG)."""
-    state = checkpoint_state(t)
-    if due:
-        t.saved_step = t.state.step
-    if t.env.is_main:
-        keep = t.params.train.keep_last
-        saved = ckpt.save_checkpoint(t.run_dir, state, keep) if due else None
-        if best:
-            ckpt.link_best(t.run_dir, saved) if saved else ckpt.save_best(t.run_dir, state)
-    barrier()
-
-
-def checkpoint_state(t: Trainer) -> dict[str, Any] | None:
-    """What resuming needs, and what makes the file describe itself (None off rank 0)."""
-    rngs = all_gather_objects(ckpt.rng_state())
-    if not t.env.is_main:
-        return None
-    return {
-        "params": to_dict(t.params),
-        "step": t.state.step,
-        "train_state": t.state.state_dict(),
-        "model": t.model.state_dict(),
-        "optimizer": t.optimizer.state_dict(),
-        "scheduler": t.scheduler.state_dict(),
-        # Ranks step in lockstep: rank 0's sampler position restores every rank.
-        "data": t.train_loader.state_dict(),
-        "rng": rngs,  # one per rank
-        "data_fingerprint": t.fingerprint,
-        "world_size": t.env.world_size,
-        "torch_version": str(torch.__version__),  # TorchVersion is no safe global
-    }
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def validate(t: Trainer) -> dict[str, float]:
-    """valid/loss: NLL per target token without label smoothing (natural log), over the
-    whole valid split shared out by rank; valid/ppl = exp(valid/loss), per subword as the
-    paper's 4.92. valid/bleu: sacreBLEU of greedy decoding, when train.valid_bleu."""
-    t.model.eval()
-    try:
-        sums = torch.zeros(2, dtype=torch.float64, device=t.env.device)
-        with torch.no_grad():
-            for batch in valid_loader(t):
-                batch = batch.to(t.env.device)
-                with t.autocast():
-                    logits = t.model(batch.src, batch.tgt_in)
-                nll = F.cross_entropy(
-                    logits.flatten(0, 1).float(),
-                    batch.tgt_out.flatten(),
-                    ignore_index=PAD,
-                    reduction="sum",
-                )
-                sums += torch.stack([nll.double(), nll.new_tensor(batch.n_tgt_tokens).double()])
-        nll_sum, n_tokens = all_reduce_sum(sums).tolist()
-        loss = nll_sum / n_tokens
-        metrics = {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 100.0))}
-        if t.params.train.valid_bleu:
-            metrics["valid/bleu"] = valid_bleu(t)
-        return metrics
-    finally:
-        t.model.train()
-
-
-def valid_loader(t: Trainer) -> BatchLoader:
-    # Valid sentences are not length-filtered: let the longest fit in a batch of its own.
-    max_tokens = max(t.params.train.max_tokens, int(t.valid.lengths.max()))
-    try:
-        sampler = TokenBatchSampler.from_dataset(
-            t.valid, max_tokens, shuffle=False, rank=t.env.rank, world_size=t.env.world_size
-        )
-    except ValueError as err:
-        raise TrainError(f"valid split: {err}") from None
-    return BatchLoader(t.valid, sampler, epoch=0)
-
-
-def valid_bleu(t: Trainer) -> float:
-    """Greedy decoding of this rank's share, gathered; scored on rank 0 (0.0 elsewhere)."""
-    from transformer.evaluate import score  # sacrebleu: only when asked for
-    from transformer.search import greedy_search
-
-    decode = t.params.decode
-    pairs = []
-    for batch in valid_loader(t):
-        hyps = greedy_search(
-            t.model, batch.src.to(t.env.device), decode.max_len_a, decode.max_len_b
-        )
-        refs = [[i for i in row if i not in (PAD, EOS)] for row in batch.tgt_out.tolist()]
-        pairs += zip(batch.ids.tolist(), t.sp.decode(hyps), t.sp.decode(refs), strict=True)
-    gathered = all_gather_objects(pairs)
-    if not t.env.is_main:
-        return 0.0
-    ordered = sorted(p for part in gathered for p in part)
-    return float(score([h for _, h, _ in ordered], [r for _, _, r in ordered])["bleu"])
-
-
-# --------------------------------------------------------------------------- signals
-
-
-class StopSignal:
-    """SIGTERM/SIGINT ask the loop to stop after the current update (and save); a second
-    one stops at once."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    def install(self) -> None:
-        with contextlib.suppress(ValueError):  # not the main thread: no handlers there
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning("%s: stopping after this update", signal.Signals(signum).name)
+        t.loader.close()
+        sink.close()
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import sentencepiece as spm
 
 from transformer.config import VocabConfig
-from transformer.data import atomic_dir, file_sha256
 from transformer.data.sources import read_batches
+from transformer.files import SPM_MODEL, SPM_VOCAB, VOCAB_REPORT, atomic_dir, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ def learn_vocab(train_parquet: Path, cfg: VocabConfig, out_dir: Path) -> Path:
     )
     model = _train(sampled_sentences(train_parquet, indices), cfg)
     with atomic_dir(out_dir) as tmp:
-        (tmp / "spm.model").write_bytes(model)
+        (tmp / SPM_MODEL).write_bytes(model)
         processor = load_spm(model)
-        _write_vocab(processor, tmp / "spm.vocab")
+        _write_vocab(processor, tmp / SPM_VOCAB)
         meta = {
             "special_ids": SPECIAL_IDS,
             "size": processor.get_piece_size(),
@@ -62,10 +62,10 @@ def learn_vocab(train_parquet: Path, cfg: VocabConfig, out_dir: Path) -> Path:
             "sampled_sentences": len(indices),
             "seed": cfg.seed,
             "character_coverage": cfg.character_coverage,
-            "spm_model_sha256": file_sha256(tmp / "spm.model"),
+            "spm_model_sha256": file_sha256(tmp / SPM_MODEL),
         }
-        (tmp / "vocab.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return out_dir / "spm.model"
+        (tmp / VOCAB_REPORT).write_text(json.dumps(meta, indent=2) + "\n")
+    return out_dir / SPM_MODEL
 
 
 def sample_indices(rows: int, cfg: VocabConfig) -> np.ndarray:

@@ -12,26 +12,24 @@ up to a token budget, as in the paper (5.1) and fairseq's batch_by_size.
 
 from __future__ import annotations
 
+import logging
+import math
 import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from transformer.data import DataError
-from transformer.data.shard import SPM_NAME, load_manifest
+from transformer.data.shard import load_manifest
+from transformer.files import SPM_MODEL
 from transformer.vocab import BOS, PAD
 
-
-class Example(NamedTuple):
-    id: int  # row of the pair in its cleaned parquet file
-    src: np.ndarray  # subword ids, ending with EOS
-    tgt: np.ndarray
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +39,9 @@ class Batch:
     src: torch.Tensor  # (B, S) long
     tgt_in: torch.Tensor  # (B, T) long: [BOS] + tgt[:-1], the decoder input
     tgt_out: torch.Tensor  # (B, T) long: tgt, the targets of the loss
+    # (n_tgt_tokens,) long: flat indices into (B * T) of the non-pad targets, so the loss
+    # reads only them without a boolean mask (whose size the GPU would report to the host)
+    tgt_positions: torch.Tensor
     ids: torch.Tensor  # (B,) long, stays on the CPU: bookkeeping, never model input
     n_src_tokens: int  # non-pad source tokens
     n_tgt_tokens: int  # non-pad targets: what the loss is normalised by
@@ -55,15 +56,8 @@ class Batch:
         return self._map(torch.Tensor.pin_memory)
 
     def _map(self, fn) -> Batch:
-        return replace(self, **{f: fn(getattr(self, f)) for f in ("src", "tgt_in", "tgt_out")})
-
-
-def collate(examples: Sequence[Example], pad_id: int = PAD, bos_id: int = BOS) -> Batch:
-    """Right-pad (id, src, tgt) examples, src and tgt being int sequences ending with EOS."""
-    ids = np.array([e[0] for e in examples], dtype=np.int64)
-    src, src_lens = _pad_list([e[1] for e in examples], pad_id)
-    tgt, tgt_lens = _pad_list([e[2] for e in examples], pad_id)
-    return _make_batch(ids, src, src_lens, tgt, tgt_lens, pad_id, bos_id)
+        moved = ("src", "tgt_in", "tgt_out", "tgt_positions")
+        return replace(self, **{f: fn(getattr(self, f)) for f in moved})
 
 
 # --------------------------------------------------------------------------- dataset
@@ -81,8 +75,9 @@ class ShardDataset:
         manifest = load_manifest(shards_dir)
         if role not in manifest["roles"]:
             raise DataError(f"{shards_dir}: no role '{role}' in the manifest")
+        self.shards_dir = shards_dir
         self.fingerprint: str = manifest["fingerprint"]
-        self.spm_model = shards_dir / SPM_NAME
+        self.spm_model = shards_dir / SPM_MODEL
         self._src: list[tuple[np.ndarray, np.ndarray]] = []  # per file: (offsets, values)
         self._tgt: list[tuple[np.ndarray, np.ndarray]] = []
         ids, buckets, rows = [], [], []
@@ -107,14 +102,6 @@ class ShardDataset:
         """The longer side of each example: its padded width in a batch."""
         return np.maximum(self.src_lens, self.tgt_lens)
 
-    def __getitem__(self, i: int) -> Example:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"example {i} of {len(self)}")
-        i %= len(self)
-        f = int(np.searchsorted(self._file_starts, i, side="right")) - 1
-        row = i - self._file_starts[f]
-        return Example(int(self.ids[i]), _row(self._src[f], row), _row(self._tgt[f], row))
-
     def batch(self, indices: Sequence[int], pad_id: int = PAD, bos_id: int = BOS) -> Batch:
         """The padded Batch of these examples, gathered without a Python loop over rows."""
         indices = np.asarray(indices, dtype=np.int64)
@@ -131,7 +118,9 @@ def _map_file(path: Path) -> pa.Table:
         reader = pa.ipc.open_file(pa.memory_map(str(path)))
         batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     except (OSError, pa.ArrowException) as err:
-        raise DataError(f"{path}: unreadable shard ({err}); run verify_shards") from None
+        raise DataError(
+            f"{path}: unreadable shard ({err}): delete the shards folder to rebuild it"
+        ) from None
     # The writer puts one batch in a file, so this is zero-copy; more would be concatenated.
     return pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
 
@@ -145,11 +134,6 @@ def _lengths(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     return np.concatenate([np.diff(off) for off, _ in parts] or [np.zeros(0)]).astype(np.int64)
 
 
-def _row(part: tuple[np.ndarray, np.ndarray], row: int) -> np.ndarray:
-    offsets, values = part
-    return values[offsets[row] : offsets[row + 1]]
-
-
 def _gather(parts, files: np.ndarray, rows: np.ndarray, lens: np.ndarray, pad_id: int):
     out = np.full((len(rows), int(lens.max(initial=0))), pad_id, dtype=np.int64)  # (B, L)
     for f in np.unique(files):  # a batch comes from one bucket: one file, rarely two
@@ -157,13 +141,6 @@ def _gather(parts, files: np.ndarray, rows: np.ndarray, lens: np.ndarray, pad_id
         offsets, values = parts[f]
         out[sel] = _pad_rows(values, offsets[rows[sel]], lens[sel], out.shape[1], pad_id)
     return out
-
-
-def _pad_list(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    values = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs] or [np.zeros(0)])
-    starts = np.cumsum(lens) - lens
-    return _pad_rows(values, starts, lens, int(lens.max(initial=0)), pad_id), lens
 
 
 def _pad_rows(values, starts, lens, width: int, pad_id: int) -> np.ndarray:
@@ -187,6 +164,7 @@ def _make_batch(ids, src, src_lens, tgt_out, tgt_lens, pad_id: int, bos_id: int)
         src=torch.from_numpy(src),
         tgt_in=torch.from_numpy(tgt_in),
         tgt_out=torch.from_numpy(tgt_out),
+        tgt_positions=torch.from_numpy(np.flatnonzero(tgt_out != pad_id)),
         ids=torch.from_numpy(np.asarray(ids, dtype=np.int64)),
         n_src_tokens=int(src_lens.sum()),
         n_tgt_tokens=int(tgt_lens.sum()),
@@ -278,13 +256,23 @@ class TokenBatchSampler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in self._identity().items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"sampler state has {key}={state.get(key)!r}, this sampler {value!r}: "
-                    "resuming would not continue the same sequence of batches"
-                )
-        self.epoch, self.position = divmod(int(state["consumed"]), self.batches_per_rank)
+        """Continue after the batches `state` had consumed. If they were other batches
+        (another world size, token budget or data), continue at the same fraction of the
+        same epoch instead, with a warning: the run goes on, no longer bit for bit."""
+        differs = {k: v for k, v in self._identity().items() if state.get(k) != v}
+        if not differs:
+            self.epoch, self.position = divmod(int(state["consumed"]), self.batches_per_rank)
+            return
+        log.warning(
+            "data position: the batches differ from the checkpoint's (%s); continuing from "
+            "the same point of epoch %d",
+            ", ".join(f"{k} {state.get(k)} -> {v}" for k, v in differs.items()),
+            state["epoch"],
+        )
+        old_per_rank = math.ceil(state["n_batches"] / state["world_size"])
+        fraction = state["position"] / old_per_rank
+        self.epoch = int(state["epoch"])
+        self.position = min(self.batches_per_rank - 1, round(fraction * self.batches_per_rank))
 
     def _identity(self) -> dict:
         return {
@@ -317,7 +305,7 @@ def _check_lengths(lengths: np.ndarray, max_tokens: int, ids: np.ndarray | None)
         name = int(ids[i]) if ids is not None else int(i)
         raise ValueError(
             f"{too_long.size} example(s) longer than max_tokens={max_tokens}, e.g. id {name} "
-            f"with {lengths[i]} subwords: raise train.max_tokens or lower data.clean.max_len"
+            f"with {lengths[i]} subwords: raise train.max_tokens or lower clean.max_len"
         )
 
 

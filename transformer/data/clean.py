@@ -20,8 +20,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from transformer.config import CleanConfig
-from transformer.data import ROLES, DataError, atomic_dir
+from transformer.data import ROLES, DataError
 from transformer.data.sources import SCHEMA, read_batches
+from transformer.files import CLEAN_REPORT, atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,15 @@ def clean_corpus(in_dir: Path, cfg: CleanConfig, out_dir: Path) -> dict:
             # empty one (kept as empty strings); they are only stripped of outer whitespace.
             train_cfg = cfg if role == "train" else None
             counts = _clean_file(source, tmp / f"{role}.parquet", train_cfg)
+            if role == "train" and counts["kept"] == 0:
+                dropped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "read")
+                raise DataError(
+                    f"{source}: all {counts['read']} training pairs were dropped ({dropped}): "
+                    "check the data, or clean.*"
+                )
             report[role] = counts
             log.info("cleaned %s: %s", role, ", ".join(f"{k} {v}" for k, v in counts.items()))
-        (tmp / "clean.json").write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / CLEAN_REPORT).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -21,6 +21,7 @@ workers, and the fingerprint names the data, not the run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -39,15 +40,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from transformer.config import ShardConfig, fingerprint, to_dict
-from transformer.data import ROLES, DataError, atomic_dir, file_sha256
+from transformer.config import ShardConfig, fingerprint, identity, to_dict
+from transformer.data import ROLES, DataError
+from transformer.files import MANIFEST, SPM_MODEL, atomic_dir, atomic_write, file_sha256
 from transformer.vocab import SPECIAL_IDS, load_spm
 
 log = logging.getLogger(__name__)
 
 FORMAT = "transformer-mt/shards/1"
-MANIFEST = "manifest.json"
-SPM_NAME = "spm.model"
+VERIFIED = ".verified.json"  # hidden: when the checksums were last found right
 READ_ROWS = 50_000  # rows per encoding task: large enough to amortise the IPC, small in RAM
 SCHEMA = pa.schema(
     [("id", pa.int64()), ("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32()))]
@@ -76,35 +77,63 @@ def encode_and_shard(clean_dir: Path, spm_model: Path, cfg: ShardConfig, out_dir
             raise DataError(f"{path}: no such file")
     load_spm(spm_model)  # wrong special ids: fail here, not in a worker
     with atomic_dir(out_dir) as tmp:
-        shutil.copyfile(spm_model, tmp / SPM_NAME)
-        with _encoder(tmp / SPM_NAME, cfg.bucket_width, _n_workers(cfg.workers)) as encode:
+        shutil.copyfile(spm_model, tmp / SPM_MODEL)
+        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, _n_workers(cfg.workers)) as encode:
             roles = {
                 role: _shard_role(path, encode, tmp / role, cfg.rows_per_shard)
                 for role, path in parquets.items()
             }
-        manifest = _manifest(cfg, parquets, tmp / SPM_NAME, roles)
+        manifest = _manifest(cfg, parquets, tmp / SPM_MODEL, roles)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return manifest
 
 
-def verify_shards(out_dir: Path, checksum: bool = True) -> dict:
+def verify_shards(out_dir: Path) -> dict:
     """Check that the manifest exists and every file it lists is whole; return it.
 
-    Sizes and row counts are always checked; `checksum` also compares sha256 (reads every
-    byte). Raises DataError naming the first bad file.
+    Sizes and row counts are checked every time; sha256 (every byte read) once per folder:
+    a hidden stamp of the files' sizes and modification times records that they were
+    verified, and any file written since (the manifest included) makes the next call
+    verify again. Raises DataError naming the first bad file.
     """
     out_dir = Path(out_dir)
     manifest = load_manifest(out_dir)
-    spm_entry = manifest["spm_model"]
-    _check_size_and_hash(out_dir / SPM_NAME, spm_entry["bytes"], spm_entry["sha256"], checksum)
-    for role in ROLES:
-        for entry in manifest["roles"][role]["files"]:
-            path = out_dir / entry["path"]
-            _check_size_and_hash(path, entry["bytes"], entry["sha256"], checksum)
-            rows = _count_rows(path)
-            if rows != entry["rows"]:
-                raise DataError(f"{path}: {rows} rows, the manifest says {entry['rows']}")
+    try:
+        entries = [(SPM_MODEL, manifest["spm_model"]["bytes"], manifest["spm_model"]["sha256"])]
+        for role in ROLES:
+            for e in manifest["roles"][role]["files"]:
+                entries.append((e["path"], e["bytes"], e["sha256"], e["rows"]))
+    except (KeyError, TypeError) as err:
+        raise DataError(f"{out_dir / MANIFEST}: malformed manifest (no {err})") from None
+    stamp = _stamp(out_dir, [MANIFEST] + [e[0] for e in entries])
+    checksum = _read_stamp(out_dir) != stamp
+    for name, size, sha256, *rows in entries:
+        _check_size_and_hash(out_dir / name, size, sha256, checksum)
+        if rows and _count_rows(out_dir / name) != rows[0]:
+            found = _count_rows(out_dir / name)
+            raise DataError(f"{out_dir / name}: {found} rows, the manifest says {rows[0]}")
+    if checksum:
+        with contextlib.suppress(OSError):  # a read-only shards folder verifies every time
+            atomic_write(out_dir / VERIFIED, json.dumps(stamp))
     return manifest
+
+
+def _stamp(out_dir: Path, names: list[str]) -> dict[str, list[int]]:
+    stamp = {}
+    for name in names:
+        try:
+            st = (out_dir / name).stat()
+        except OSError:
+            raise DataError(f"{out_dir / name}: missing") from None
+        stamp[name] = [st.st_size, st.st_mtime_ns]
+    return stamp
+
+
+def _read_stamp(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def load_manifest(out_dir: Path) -> dict:
@@ -349,10 +378,9 @@ def _manifest(cfg: ShardConfig, parquets: dict[str, Path], spm_copy: Path, roles
         "spm_model": {"bytes": spm_copy.stat().st_size, "sha256": file_sha256(spm_copy)},
         "roles": roles,
     }
-    manifest["inputs"][SPM_NAME] = manifest["spm_model"]["sha256"]
-    # `workers` changes how fast, never what: leave it out of the data's identity.
-    identity = {**manifest, "config": to_dict(cfg.model_copy(update={"workers": 0}))}
-    manifest["fingerprint"] = fingerprint(identity)
+    manifest["inputs"][SPM_MODEL] = manifest["spm_model"]["sha256"]
+    # Operational keys (workers) change how fast, never what: not the data's identity.
+    manifest["fingerprint"] = fingerprint({**manifest, "config": identity(cfg)})
     return manifest
 
 

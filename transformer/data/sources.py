@@ -14,7 +14,9 @@ import gzip
 import json
 import logging
 import time
+import zlib
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -26,7 +28,8 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from transformer.config import DataConfig, SourceConfig
-from transformer.data import ROLES, DataError, atomic_dir, file_sha256
+from transformer.data import ROLES, DataError
+from transformer.files import PREPARE_REPORT, atomic_dir, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +48,14 @@ OFFLINE_HINT = (
 class InvalidPolicy:
     """What to do with a bad pair (invalid UTF-8, missing text): stop, or drop and count."""
 
-    mode: str  # CleanConfig.on_invalid: "error" | "drop"
+    mode: str  # DataConfig.on_invalid: "error" | "drop"
     dropped: int = 0
 
     def reject(self, message: str) -> None:
         if self.mode == "error":
             raise DataError(message)
         if self.dropped == 0:
-            log.warning("dropping bad pairs (data.clean.on_invalid=drop); first: %s", message)
+            log.warning("dropping bad pairs (data.on_invalid=drop); first: %s", message)
         self.dropped += 1
 
 
@@ -77,13 +80,17 @@ def prepare_source(cfg: DataConfig, out_dir: Path) -> dict:
     with atomic_dir(out_dir) as tmp:
         for role in ROLES:
             split = getattr(cfg.splits, role)
-            invalid = InvalidPolicy(cfg.clean.on_invalid)
+            invalid = InvalidPolicy(cfg.on_invalid)
             rows = write_pairs(split_batches(cfg, split, invalid), tmp / f"{role}.parquet")
+            if rows == 0:  # nothing to learn from, or to score: never a finished stage
+                raise DataError(
+                    f"{_split_name(cfg, split)}: no {role} pairs (empty, or all invalid)"
+                )
             manifest["counts"][role] = {"pairs": rows, "dropped_invalid": invalid.dropped}
             log.info(
                 "prepared %s (split %r): %d pairs, %d dropped", role, split, rows, invalid.dropped
             )
-        (tmp / "prepare.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / PREPARE_REPORT).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -284,7 +291,7 @@ def text_batches(
     src_lines: list[bytes] = []
     tgt_lines: list[bytes] = []
     first_line = 1
-    with _open_text(src_path) as src_file, _open_text(tgt_path) as tgt_file:
+    with _lines(src_path) as src_file, _lines(tgt_path) as tgt_file:
         for src, tgt in zip_longest(src_file, tgt_file):
             if src is None or tgt is None:
                 n = first_line + len(src_lines)  # the line number the shorter file lacks
@@ -337,8 +344,19 @@ def _text_batch(
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
-def _open_text(path: Path) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+@contextmanager
+def _lines(path: Path) -> Iterator[Iterator[bytes]]:
+    """The file's lines (gzip allowed); a truncated or corrupt gzip file is a DataError
+    naming it, wherever in the file the damage is."""
+
+    def read(f: IO[bytes]) -> Iterator[bytes]:
+        try:
+            yield from f
+        except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+            raise DataError(f"{path}: truncated or corrupt gzip file ({err})") from None
+
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
+        yield read(f)
 
 
 # --------------------------------------------------------------------------- local files
@@ -378,6 +396,17 @@ def _local_files(cfg: DataConfig) -> list[Path]:
         else:
             files.append(_required(root / f"{split}.{cfg.source.format}"))
     return files
+
+
+def _split_name(cfg: DataConfig, split: str) -> str:
+    """Where a split comes from, for messages: its file(s), or the hub dataset."""
+    source = cfg.source
+    if source.hub is not None:
+        return f"{source.hub}:{split}"
+    root = _local_root(source)
+    if source.format == "text":
+        return f"{_text_file(root, split, cfg.src_lang)} (and .{cfg.tgt_lang})"
+    return str(root / f"{split}.{source.format}")
 
 
 def _describe_source(source: SourceConfig) -> dict[str, Any]:

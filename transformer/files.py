@@ -1,0 +1,118 @@
+"""The names of the files a run writes, in one place, and the atomic ways they are written.
+
+A stage folder is complete or absent: `atomic_dir` builds it beside its final name and
+renames it into place; single files go through `atomic_write` (write aside, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SPM_MODEL = "spm.model"  # the joint sentencepiece model (vocab stage, shards, run folder)
+SPM_VOCAB = "spm.vocab"  # its piece list, for people
+VOCAB_REPORT = "vocab.json"
+PREPARE_REPORT = "prepare.json"
+CLEAN_REPORT = "clean.json"
+MANIFEST = "manifest.json"  # shards: counts, checksums, the data fingerprint
+CHECKPOINTS = "checkpoints"  # run folder: training states and model snapshots
+TRAIN_LOG = "train.log"
+MODEL = "model.pt"  # an exported (averaged) model, everything translate needs
+SCORES = "scores.json"
+STAGE_RECORD = "stage.json"  # what a finished stage holds (tasks/stages.py)
+PARAMS = "params.yaml"  # resolved params of a pipeline run
+
+
+def hypotheses(role: str) -> str:
+    return f"{role}.hyp"
+
+
+@contextmanager
+def atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty directory beside `out_dir`; on success it becomes `out_dir`.
+
+    The directory is renamed into place only after the body returns, so `out_dir` either
+    holds a complete result or does not exist; a failure removes the half-written one.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _fresh_dir(out_dir, "tmp")
+    try:
+        yield tmp
+        _fsync_files(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fresh_dir(out_dir: Path, kind: str) -> Path:
+    # A hidden sibling on the same filesystem (rename is atomic only within one); made with
+    # mkdir, unlike tempfile.mkdtemp, so its permissions follow the umask.
+    path = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.{kind}"
+    path.mkdir()
+    return path
+
+
+def _fsync_files(folder: Path) -> None:
+    # Renaming is only atomic for what reached the disk: flush the files first, so a crash
+    # right after the rename cannot expose empty or truncated files under the final name.
+    for path in folder.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    # os.replace cannot overwrite a non-empty directory: move an old result aside first.
+    if out_dir.exists():
+        old = _fresh_dir(out_dir, "old")
+        os.replace(out_dir, old / out_dir.name)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in chunks (input files can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write `data` beside `path`, fsync, rename: a kill leaves the old file or the new."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def remove_leftovers(out_dir: str | os.PathLike) -> list[Path]:
+    """The hidden siblings that killed atomic writes of `out_dir` left behind (call it only
+    while no writer can be at work on `out_dir`: the stage holds its lock)."""
+    out_dir = Path(out_dir)
+    found = [p for p in out_dir.parent.glob(f".{out_dir.name}.*") if p.suffix in (".tmp", ".old")]
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    return found

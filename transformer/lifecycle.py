@@ -1,0 +1,94 @@
+"""The life of a training process: one trainer per run folder, a rank that dies with its
+launcher, and stop signals that let the current update finish and be saved."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from transformer.distributed import DistEnv, barrier
+from transformer.files import CHECKPOINTS
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def prepare_run_dir(run_dir: Path, reset: bool, env: DistEnv) -> Iterator[None]:
+    """Rank 0 holds the run folder's lock for the whole run: one trainer per folder (a rerun
+    that races a dying predecessor waits for it to save and exit)."""
+    with contextlib.ExitStack() as held:
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            held.enter_context(_lock(run_dir / ".lock"))
+            if reset:
+                shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+                log.info("--reset: deleted the checkpoints of %s", run_dir)
+            for tmp in (run_dir / CHECKPOINTS).glob(".*.tmp"):  # saves a kill interrupted
+                tmp.unlink(missing_ok=True)
+        barrier()
+        yield
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("another trainer is running in %s: waiting for it", path.parent)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when the process dies
+
+
+def die_with_parent(asked: bool) -> None:
+    """torchrun starts every rank in a session of its own, so a SIGKILL of torchrun (or of
+    the pipeline around it) would leave the ranks training on, orphaned, beside a rerun.
+    Linux can send a SIGTERM when the parent dies: the rank then saves and exits. Not for
+    a plain command (`nohup python -m transformer.train ...` outlives its shell) unless
+    `asked`, as the pipeline does."""
+    if sys.platform == "linux" and (asked or "TORCHELASTIC_RUN_ID" in os.environ):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before the request: act on it now
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask the loop to stop after the current update (and save). Another
+    SIGINT (an impatient Ctrl-C) stops at once; another SIGTERM changes nothing (a launcher
+    and the process group may both send one, and each asks for the same graceful stop)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def install(self) -> None:
+        with contextlib.suppress(ValueError):  # not the main thread: no handlers there
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signum = signum
+        log.warning("%s: stopping after this update", signal.Signals(signum).name)
