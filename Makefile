@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+LOCK   := requirements.lock
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 TORCH  ?= torch==2.13.0
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
@@ -11,16 +12,24 @@ PARAMS ?= params/smoke.yaml
 WORK   ?= work
 DEMO_ARGS ?=
 
-.PHONY: setup demo test test-all lint bench clean
+.PHONY: setup lock demo test test-all lint bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# torch first (its own build for this machine), then exactly the locked versions of
+# everything else (hashes checked), then the project itself.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m pip check
 	rm -f $(VENV)/.installed-* && touch $@
+
+lock: setup  ## re-resolve requirements.lock from pyproject.toml's ranges (then run make test)
+	$(BIN)/uv pip compile pyproject.toml --extra dev --generate-hashes --python-version 3.11 \
+	    --python-platform x86_64-manylinux_2_28 --override requirements.overrides -o $(LOCK)
 
 demo: setup  ## the smoke pipeline end to end (Prefect's temporary API, MLflow on SQLite)
 	$(BIN)/python -m flows.wmt14_ende $(PARAMS) --work-dir $(WORK) $(DEMO_ARGS)
