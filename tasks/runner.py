@@ -105,8 +105,12 @@ def execute(stage: Stage, params, run: dict, upstream: dict, key: str, out: Path
         record = write_record(stage, key, upstream, report, out)
         log_metrics(client, child, {"stage_seconds": time.monotonic() - start})
         log_metrics(client, child, numbers(report))
-        for name in stage.artifacts:
-            client.log_artifact(child, str(out / name))
+        for name in stage.artifacts:  # files or folders; those a stage did not write: none
+            path = out / name
+            if path.is_dir():
+                client.log_artifacts(child, str(path), name)
+            elif path.is_file():
+                client.log_artifact(child, str(path))
     return record
 
 

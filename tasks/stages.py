@@ -63,7 +63,7 @@ class Stage:
     params: tuple[str, ...]  # dotted params sections whose identity names the output
     inputs: tuple[str, ...]  # the stages whose outputs it reads
     run: Callable[[StageRun], Any]  # the work; may return a JSON-able report
-    artifacts: tuple[str, ...] = ()  # files of the output logged to its MLflow run
+    artifacts: tuple[str, ...] = ()  # files or folders of the output logged to its MLflow run
     # Files read from outside the work dir: their sha256 is part of the key.
     external: Callable[[RunParams], dict[str, str]] | None = None
     # A stage that can be extended (training): is the finished record what the params ask
