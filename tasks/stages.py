@@ -32,6 +32,7 @@ from transformer.data.clean import clean_corpus
 from transformer.data.shard import encode_and_shard
 from transformer.data.sources import input_fingerprints, prepare_source
 from transformer.evaluate import decode_and_score, reference_fingerprints
+from transformer.export import export_formats
 from transformer.files import (
     CLEAN_REPORT,
     MANIFEST,
@@ -101,6 +102,9 @@ STAGES: tuple[Stage, ...] = (
                                      r.out, r.device),
           artifacts=(SCORES, hypotheses("valid"), hypotheses("test")),
           external=lambda p: reference_fingerprints(p.score, p.data)),
+    Stage("export", ("export",), ("average",),
+          lambda r: export_formats(r.inputs["average"] / MODEL, r.params.export, r.out),
+          artifacts=("ctranslate2", "huggingface")),
 )  # fmt: skip
 BY_NAME = {stage.name: stage for stage in STAGES}
 

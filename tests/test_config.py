@@ -120,6 +120,8 @@ def _write(tmp_path, text, name="p.yaml"):
         (["data.source.revision=null"], "data.source", "revision"),
         (["clean.min_len=300"], "clean.min_len", "max_len"),
         (["train.best_metric=bleu"], "train.best_metric", "valid_bleu"),
+        (["export.quantization=int4"], "export.quantization", "int8"),
+        (["export.formats=[onnx]"], "export.formats", "ctranslate2"),
         (["train.adam_betas=[0.9,1.5]"], "train.adam_betas", "[0, 1)"),
     ],
 )

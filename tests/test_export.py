@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformer.checkpoint import load_model_file, save_model_file
-from transformer.config import DecodeConfig, params_from_dict
+from transformer.config import DecodeConfig, ExportConfig, params_from_dict
 from transformer.export import (
     QUANTIZATIONS,
     ExportError,
+    export_formats,
     export_model,
     main,
     marian_weights,
@@ -307,3 +308,16 @@ def test_decode_benchmark_compares_with_ctranslate2_on_the_same_inputs(
     out = benchmark(capsys, monkeypatch, "--model", str(smoke_model), "--sentences", "16", *modes)
     assert "ours / ctranslate2 sent/s, greedy: " in out
     assert "outputs equal to ours: 16/16" in out.split("greedy: ")[1]
+
+
+def test_the_export_stage_writes_each_configured_format_in_its_folder(smoke_model, tmp_path):
+    both = ExportConfig(formats=["ctranslate2", "huggingface"], quantization="int8")
+    report = export_formats(smoke_model, both, tmp_path / "export")
+    assert report == {"formats": ["ctranslate2", "huggingface"], "quantization": "int8"}
+    assert (tmp_path / "export" / "ctranslate2" / "model.bin").is_file()
+    assert (tmp_path / "export" / "huggingface" / "config.json").is_file()
+    ct2 = json.loads((tmp_path / "export" / "ctranslate2" / "export.json").read_text())
+    hf = json.loads((tmp_path / "export" / "huggingface" / "export.json").read_text())
+    assert ct2["quantization"] == "int8" and hf["quantization"] is None
+    assert export_formats(smoke_model, ExportConfig(), tmp_path / "none")["formats"] == []
+    assert list((tmp_path / "none").iterdir()) == []

@@ -37,7 +37,7 @@ TINY = [
     "decode.beam_size=2",
     "decode.max_len_b=10",
 ]
-STAGES = {"prepare", "clean", "vocab", "shards", "train", "average", "decode"}
+STAGES = {"prepare", "clean", "vocab", "shards", "train", "average", "decode", "export"}
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -122,6 +122,8 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
 
 
 def test_outputs_are_real(first):
+    exported = {a.path for a in client.list_artifacts(stages["export"].info.run_id, "ctranslate2")}
+    assert {"ctranslate2/model.bin", "ctranslate2/export.json"} <= exported
     result, _ = first
     hyps = Path(result["hypotheses"]).read_text().splitlines()
     assert result["step"] == 40
@@ -178,7 +180,7 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
     assert _folders(work / "train") == train_dirs  # the same folder, extended
     assert extended["step"] == 50 and extended["run_id"] != result["run_id"]
     children = {c.data.tags["stage"] for c in _children(_client(work), extended["run_id"])}
-    assert children == {"train", "average", "decode"}  # prepare..shards reused
+    assert children == {"train", "average", "decode", "export"}  # prepare..shards reused
     log = (next(iter(train_dirs)) / "train.log").read_text()
     assert "resumed from" in log and "at step 40" in log
 
@@ -186,7 +188,7 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
     other = wmt14_ende(SMOKE, identity, str(work), return_state=True).result()
     assert len(_folders(work / "train") - train_dirs) == 1
     children = {c.data.tags["stage"] for c in _children(_client(work), other["run_id"])}
-    assert children == {"train", "average", "decode"}
+    assert children == {"train", "average", "decode", "export"}
 
 
 def test_a_run_killed_in_training_resumes_and_completes(first, work):

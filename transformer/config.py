@@ -224,6 +224,21 @@ class ScoreConfig(Section):
     tokenized_refs: str | None = operational(None)
 
 
+ExportFormat = Literal["ctranslate2", "huggingface"]
+# CTranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES).
+Quantization = Literal[
+    "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
+    "float32",
+]  # fmt: skip
+
+
+class ExportConfig(Section):
+    """Serving formats written from the averaged model (transformer/export.py)."""
+
+    formats: list[ExportFormat] = []
+    quantization: Quantization | None = None  # CTranslate2 only; None: fp32, as trained
+
+
 class Params(Section):
     data: DataConfig
     clean: CleanConfig = CleanConfig()
@@ -234,6 +249,7 @@ class Params(Section):
     average: AverageConfig = AverageConfig()
     decode: DecodeConfig = DecodeConfig()
     score: ScoreConfig = ScoreConfig()
+    export: ExportConfig = ExportConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> Params:

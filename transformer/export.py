@@ -44,29 +44,21 @@ import sys
 from importlib.metadata import version
 from itertools import product
 from pathlib import Path
+from typing import get_args
 
 import torch
 from torch import Tensor, nn
 
 from transformer.checkpoint import CheckpointError, load_file
 from transformer.cli import ArgumentParser
+from transformer.config import ExportConfig, ExportFormat, Quantization
 from transformer.files import SPM_MODEL, atomic_dir, file_sha256
 from transformer.model import Transformer, sinusoidal
 from transformer.translate import load_translator
 from transformer.vocab import BOS, EOS, PAD, SPECIAL_IDS, UNK
 
-FORMATS = ("ctranslate2", "huggingface")
-# ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES, spelled out: ctranslate2 loads lazily.
-QUANTIZATIONS = (
-    "int8",
-    "int8_float32",
-    "int8_float16",
-    "int8_bfloat16",
-    "int16",
-    "float16",
-    "bfloat16",
-    "float32",
-)
+FORMATS = get_args(ExportFormat)
+QUANTIZATIONS = get_args(Quantization)
 EXPORT_REPORT = "export.json"
 
 
@@ -103,6 +95,16 @@ def export_model(
     except OSError as err:
         raise ExportError(f"{out_dir}: cannot write the export: {err.strerror or err}") from None
     return Path(out_dir)
+
+
+def export_formats(model_path: str | os.PathLike, cfg: ExportConfig, out_dir: Path) -> dict:
+    """The pipeline's export stage: each format of `cfg` in its own subfolder of `out_dir`,
+    all written atomically together."""
+    with atomic_dir(out_dir) as tmp:
+        for fmt in cfg.formats:
+            quantization = cfg.quantization if fmt == "ctranslate2" else None
+            export_model(model_path, fmt, tmp / fmt, quantization)
+    return {"formats": list(cfg.formats), "quantization": cfg.quantization}
 
 
 def _check_options(fmt: str, quantization: str | None) -> None:
