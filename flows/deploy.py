@@ -5,17 +5,21 @@ pool or worker needed):
     python -m flows.deploy --work-dir /data/wmt14-work
     prefect deployment run wmt14-ende/big     # from anywhere that reaches the server
 
-prefect.yaml is the one declaration of names, parameters and schedules; with a work pool,
-`PROJECT_DIR=$PWD prefect deploy --all` registers the same deployments for a worker.
+prefect.yaml is the one declaration of names, parameters and schedules (cron or interval,
+as `prefect deploy` reads them); with a work pool, `PROJECT_DIR=$PWD prefect deploy --all`
+registers the same deployments for a worker. Stopping this process leaves the schedules
+active: runs that come due meanwhile wait, Late, until a server process serves them again.
 """
 
 from __future__ import annotations
 
+import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import yaml
 from prefect import serve
-from prefect.schedules import Cron
+from prefect.schedules import Cron, Interval, Schedule
 
 from flows.wmt14_ende import wmt14_ende
 from transformer.cli import ArgumentParser
@@ -23,28 +27,41 @@ from transformer.cli import ArgumentParser
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def declared() -> dict[str, dict]:
-    """The deployments of prefect.yaml, by name."""
-    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    return {d["name"]: d for d in spec["deployments"]}
+class DeploymentsError(ValueError):
+    """A deployments file that cannot be read or says something this serve cannot do."""
 
 
-def deployments(work_dir: str, names: list[str]):
+def declared(path: Path) -> dict[str, dict]:
+    """The deployments of a prefect.yaml, by name."""
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return {d["name"]: d for d in spec["deployments"]}
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
+        raise DeploymentsError(f"{path}: no readable 'deployments' list ({err})") from None
+
+
+def schedule(spec: dict, where: str) -> Schedule:
+    common = {
+        "timezone": spec.get("timezone"),
+        "active": spec.get("active", True),
+        "parameters": spec.get("parameters") or {},
+    }
+    if "cron" in spec:
+        return Cron(spec["cron"], **common)
+    if "interval" in spec:  # seconds, as prefect.yaml writes it
+        anchor = spec.get("anchor_date")
+        anchor = datetime.fromisoformat(anchor) if isinstance(anchor, str) else anchor
+        return Interval(timedelta(seconds=spec["interval"]), anchor_date=anchor, **common)
+    raise DeploymentsError(f"{where}: a schedule needs 'cron' or 'interval', got {spec}")
+
+
+def deployments(specs: dict[str, dict], work_dir: str, names: list[str]):
     work = str(Path(work_dir).resolve())
-    specs = declared()
     return [
         wmt14_ende.to_deployment(
             name=name,
             parameters={**specs[name]["parameters"], "work_dir": work},
-            schedules=[
-                Cron(
-                    s["cron"],
-                    timezone=s.get("timezone"),
-                    active=s.get("active", True),
-                    parameters=s.get("parameters"),
-                )
-                for s in specs[name].get("schedules", [])
-            ],
+            schedules=[schedule(s, name) for s in specs[name].get("schedules") or []],
             tags=specs[name].get("tags"),
             description=specs[name].get("description"),
         )
@@ -52,14 +69,27 @@ def deployments(work_dir: str, names: list[str]):
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    names = list(declared())
-    parser = ArgumentParser(description="Serve the wmt14-ende deployments.")
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m flows.deploy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
-    parser.add_argument("--only", nargs="+", default=names, choices=names)
-    args = parser.parse_args(argv)
-    serve(*deployments(args.work_dir, args.only))
+    parser.add_argument("--file", type=Path, default=ROOT / "prefect.yaml",
+                        help="the deployments file (default: the repository's prefect.yaml)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="serve these deployments")
+    args = parser.parse_args(argv)  # fmt: skip
+    try:
+        specs = declared(args.file)
+        names = args.only or list(specs)
+        unknown = sorted(set(names) - set(specs))
+        if unknown:
+            raise DeploymentsError(f"{args.file}: no deployment {', '.join(unknown)}")
+        served = deployments(specs, args.work_dir, names)
+    except DeploymentsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    # Stopping the server process must not pause the team's schedules.
+    serve(*served, pause_on_shutdown=False)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.registry import register
 from tasks.report import plot_training_curve
 from tasks.tracking import client_for, log_metrics, numbers
 from transformer.files import MANIFEST, MODEL, SPM_MODEL, hypotheses
@@ -36,6 +37,8 @@ def publish(run: dict, records: dict[str, dict]) -> dict:
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     _upload(client, run_id, records)
+    model = Path(records["average"]["path"]) / MODEL
+    version = register(run, model, scores, records["average"]["fingerprint"])
     with tempfile.TemporaryDirectory() as tmp:  # redrawn from MLflow: every logged point
         client.log_artifact(
             run_id, str(plot_training_curve(client, run_id, Path(tmp) / "curve.png"))
@@ -45,6 +48,7 @@ def publish(run: dict, records: dict[str, dict]) -> dict:
         "tracking_uri": run["uri"],
         "run_url": run_url(run["uri"], run.get("experiment_id"), run_id),
         "model": tags["model_path"],
+        "registered": f"models:/{run['registered_model']}/{version}",
         "hypotheses": str(Path(records["decode"]["path"]) / hypotheses("test")),
         "step": step,
         "scores": scores,
@@ -80,6 +84,7 @@ def summary_lines(summary: dict) -> list[str]:
     return [
         *lines,
         f"model        {summary['model']}",
+        f"registered   {summary['registered']} (alias @best: the highest test BLEU)",
         f"hypotheses   {summary['hypotheses']}",
         f"browse runs  mlflow ui --backend-store-uri {summary['tracking_uri']}",
     ]

@@ -11,10 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
+import yaml
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -119,17 +122,53 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
     assert all(c.info.status == "FINISHED" for c in stages.values())
     system = [k for k in stages["train"].data.metrics if k.startswith("system/")]
     assert system, "system metrics were not recorded for training"
+    exported = {a.path for a in client.list_artifacts(stages["export"].info.run_id, "ctranslate2")}
+    assert {"ctranslate2/model.bin", "ctranslate2/export.json"} <= exported
 
 
 def test_outputs_are_real(first):
-    exported = {a.path for a in client.list_artifacts(stages["export"].info.run_id, "ctranslate2")}
-    assert {"ctranslate2/model.bin", "ctranslate2/export.json"} <= exported
     result, _ = first
     hyps = Path(result["hypotheses"]).read_text().splitlines()
     assert result["step"] == 40
     assert len(hyps) == 300
     model = load_model_file(result["model"])
     assert len(model.meta["averaged_from"]) == 2
+
+
+def test_the_model_is_registered_and_served_as_an_mlflow_pyfunc(first, work, tmp_path):
+    """The averaged model is a version of the deployment's registered model, @best; it
+    loads as a pyfunc and `mlflow models serve` answers a request (README's commands)."""
+    result, _ = first
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    client = _client(work)
+    version = client.get_model_version_by_alias("wmt14-ende-smoke", "best")
+    assert result["registered"] == f"models:/wmt14-ende-smoke/{version.version}"
+    assert float(version.tags["test_bleu"]) == pytest.approx(result["scores"]["test"]["bleu"])
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model("models:/wmt14-ende-smoke@best")
+    sources = (ROOT / "data" / "smoke" / "test.en").read_text().splitlines()[:3]
+    expected = Path(result["hypotheses"]).read_text().splitlines()[:3]
+    assert model.predict(sources) == expected  # the same model, the same beam search
+
+    port = _free_port()
+    venv = Path(sys.executable).parent  # as after `. .venv/bin/activate`: uvicorn on PATH
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PATH=f"{venv}:{os.environ['PATH']}")
+    mlflow_cli = str(venv / "mlflow")
+    server = _spawn([mlflow_cli, "models", "serve", "-m", "models:/wmt14-ende-smoke@best",
+                     "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                    env, tmp_path / "serve.log")  # fmt: skip
+    try:
+        _wait(lambda: _answers(f"http://127.0.0.1:{port}/ping"), 120, "mlflow models serve")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations",
+            data=json.dumps({"inputs": sources}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["predictions"] == expected
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
 
 
 def test_a_rerun_is_served_from_prefects_cache_and_resumes_the_run(first, work):
@@ -224,7 +263,11 @@ def test_a_run_killed_in_training_resumes_and_completes(first, work):
     assert any(c.info.status == "KILLED" for c in killed)
 
 
-def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
+def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_path):
+    """A real `prefect server` (127.0.0.1, its own PREFECT_HOME, the scheduler looping every
+    second) and `python -m flows.deploy` serving the repository's smoke deployment with a
+    schedule due a few seconds later: the scheduled run completes, so does a run started
+    with `prefect deployment run`; stopping the serve process pauses nothing."""
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = dict(
@@ -232,40 +275,37 @@ def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
         PREFECT_API_URL=api,
         PREFECT_HOME=str(tmp_path / "prefect"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1",
+        PREFECT_RUNNER_POLL_FREQUENCY="2",
     )
     env.pop("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", None)
+    smoke = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"][-1]
+    assert smoke["name"] == "smoke"
+    due = datetime.now(UTC) + timedelta(seconds=25)
+    smoke["parameters"]["overrides"] = TINY  # `first`'s stages: reused, the run is quick
+    smoke["schedules"] = [{"interval": 3600, "anchor_date": due.isoformat()}]
+    spec = tmp_path / "prefect.yaml"
+    spec.write_text(yaml.safe_dump({"deployments": [smoke]}))
     prefect = str(Path(sys.executable).parent / "prefect")
-    procs = []
+    server = _spawn([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                    env, tmp_path / "server.log")  # fmt: skip
+    serving = None
     try:
-        procs.append(
-            _spawn(
-                [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                env,
-                tmp_path / "server.log",
-            )
-        )
-        _wait(lambda: _healthy(api), 120, "prefect server")
-        procs.append(
-            _spawn(
-                [sys.executable, "-m", "flows.deploy", "--only", "smoke", "--work-dir", str(work)],
-                env,
-                tmp_path / "serve.log",
-            )
-        )
-        _wait(
-            lambda: (
-                subprocess.run(
-                    [prefect, "deployment", "inspect", "wmt14-ende/smoke"],
-                    env=env,
-                    capture_output=True,
-                ).returncode
-                == 0
-            ),
-            120,
-            "the smoke deployment",
-        )
-        # Greedy decoding: the served run takes data and training of `first` from Prefect's
-        # cache, and really runs decoding and scoring.
+        _wait(lambda: _answers(f"{api}/health"), 120, "prefect server")
+        serving = _spawn([sys.executable, "-m", "flows.deploy", "--file", str(spec),
+                          "--work-dir", str(work)], env, tmp_path / "serve.log")  # fmt: skip
+        _wait(lambda: _api(api, "GET", "deployments/name/wmt14-ende/smoke"), 120, "deployment")
+        deployment = _api(api, "GET", "deployments/name/wmt14-ende/smoke")
+        query = {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}}
+
+        def scheduled_run_completed() -> bool:
+            runs = _api(api, "POST", "flow_runs/filter", query) or []
+            return any(r["auto_scheduled"] and r["state_type"] == "COMPLETED" for r in runs)
+
+        logs = lambda: (tmp_path / "serve.log").read_text()[-3000:]
+        _wait(scheduled_run_completed, 300, "the scheduled run", logs)
+
+        # Greedy decoding: the run reuses data and training of `first`, and really decodes.
         decoded = _folders(work / "decode")
         params = json.dumps({"overrides": [*TINY, "decode.beam_size=1"]})
         run = subprocess.run(
@@ -273,15 +313,35 @@ def test_a_served_deployment_runs_from_the_prefect_cli(first, work, tmp_path):
              "--watch", "--watch-timeout", "500"],
             env=env, capture_output=True, text=True, timeout=560,
         )  # fmt: skip
-        logs = run.stdout[-2000:] + (tmp_path / "serve.log").read_text()[-3000:]
-        assert run.returncode == 0, logs
-        assert "Completed" in run.stdout, logs
+        assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-2000:] + logs()
         new = _folders(work / "decode") - decoded
-        assert len(new) == 1 and (new.pop() / "scores.json").exists(), logs
+        assert len(new) == 1 and (new.pop() / "scores.json").exists(), logs()
+        artifact = _api(api, "POST", "artifacts/filter", {"artifacts": {"key": {"any_": [
+            "wmt14-ende-results"]}}})  # fmt: skip
+        assert artifact and "test BLEU" in artifact[0]["data"], artifact
+
+        os.killpg(serving.pid, signal.SIGTERM)
+        serving.wait(timeout=60)
+        serving = None
+        schedules = _api(api, "GET", f"deployments/{deployment['id']}")["schedules"]
+        assert schedules and all(s["active"] for s in schedules)  # still on: runs will wait
     finally:
-        for p in reversed(procs):
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout=60)
+        for proc in (serving, server):
+            if proc is not None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+
+
+def _api(api: str, method: str, path: str, body: dict | None = None):
+    """A call to Prefect's REST API; None if it does not answer (yet)."""
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    request = urllib.request.Request(f"{api}/{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+    except OSError:
+        return None
 
 
 def _folders(stage_dir: Path) -> set[Path]:
@@ -320,18 +380,18 @@ def _spawn(cmd, env, log: Path) -> subprocess.Popen:
     )
 
 
-def _healthy(api: str) -> bool:
+def _answers(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
     except OSError:
         return False
 
 
-def _wait(ready, seconds: float, what: str) -> None:
+def _wait(ready, seconds: float, what: str, logs=lambda: "") -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if ready():
             return
         time.sleep(1)
-    raise AssertionError(f"{what} not ready after {seconds} s")
+    raise AssertionError(f"{what} not ready after {seconds} s\n{logs()}")
