@@ -12,7 +12,7 @@ PARAMS ?= params/smoke.yaml
 WORK   ?= work
 DEMO_ARGS ?=
 
-.PHONY: setup lock demo test test-all lint bench clean
+.PHONY: setup lock demo test test-all lint bench gpu-report clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,11 @@ bench: setup
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/train_throughput.py
 	$(BIN)/python benchmarks/decode.py
+
+# On a GPU machine whose CUDA PyTorch is already installed (an NGC container): no setup, no
+# torch reinstall; the machine's python. Writes benchmarks/results/<date>-<gpu>/report.{md,json}.
+gpu-report:
+	$(PYTHON) benchmarks/gpu_report.py $(GPU_REPORT_ARGS)
 
 clean:
 	rm -rf $(WORK)

@@ -1,13 +1,17 @@
-"""Training-step throughput of transformer.model beside torch.nn.Transformer.
+"""Training-step throughput of transformer.model beside torch.nn.Transformer and Hugging
+Face's MarianMTModel of the same dimensions.
 
-A step is forward, label-smoothed loss, backward (with --optimizer also an Adam update) on
-synthetic batches shaped like WMT14 EN-DE training batches. Both models get the same
-batches, loss, embeddings (tied, scaled by sqrt(D), sinusoidal positions) and output
-projection, so the ratio compares the encoder-decoder stacks. On CUDA the step runs in
-bf16 autocast, as the trainer does, and the table adds MFU against --peak-tflops.
+A step is forward, the label-smoothed loss, backward (with --optimizer also the trainer's
+Adam update) on synthetic batches shaped like WMT14 EN-DE training batches. The three models
+get the same batches and the same loss, the trainer's (transformer.loss: the output
+projection fused with the loss over the non-pad targets), fed with each model's decoder
+output and its own tied embedding matrix; embeddings are scaled by sqrt(D) with sinusoidal
+positions in all three. So the ratios compare the encoder-decoder stacks. On CUDA the step
+runs in bf16 autocast, as the trainer does, and the table adds MFU against PEAK_TFLOPS;
+all three run under transformer.attention's choice of attention kernels.
 
-    python benchmarks/model_step.py                             # smoke and base
-    python benchmarks/model_step.py --configs base,big --device cuda --steps 50
+    python benchmarks/model_step.py                             # smoke and base, CPU
+    python benchmarks/model_step.py --configs base,big --max-tokens 8192,32768 --optimizer
 """
 
 from __future__ import annotations
@@ -15,29 +19,47 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from transformer.config import ModelConfig, load_params
-from transformer.loss import label_smoothed_nll
+from transformer.attention import attention_context
+from transformer.config import ModelConfig, Params, load_params
+from transformer.loss import label_smoothed_loss
 from transformer.model import Transformer, sinusoidal
 from transformer.optim import build_optimizer
 from transformer.vocab import BOS, EOS, PAD
 
 PARAMS = Path(__file__).resolve().parents[1] / "params"
-Batch = tuple[Tensor, Tensor, Tensor]  # src (B, S), tgt_in (B, T), tgt_out (B, T)
+PEAK_TFLOPS = 790.0  # dense bf16, H100 SXM
+PEERS = ("ours", "torch", "marian")
+# src (B, S), tgt_in (B, T), tgt_out (B, T), flat indices of the non-pad targets (N,)
+Batch = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+class Ours(nn.Module):
+    """transformer.model, returning the decoder's output as the trainer's loss takes it."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.model = Transformer(cfg, vocab_size, PAD)
+        self.out_weight = self.model.out_proj.weight
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        return self.model(src, tgt_in, project=False)  # (B, T, D)
 
 
 class TorchTransformer(nn.Module):
-    """torch.nn.Transformer with the same embeddings and output projection as ours."""
+    """torch.nn.Transformer with the same embeddings and output matrix as ours."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
         self.d_model = cfg.d_model
         self.embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD)
         nn.init.normal_(self.embed.weight, std=cfg.d_model**-0.5)
+        self.out_weight = self.embed.weight
         self.dropout = nn.Dropout(cfg.dropout)
         self.core = nn.Transformer(
             cfg.d_model,
@@ -57,15 +79,38 @@ class TorchTransformer(nn.Module):
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         src_padding = src == PAD
         causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.size(1), src.device)
-        h = self.core(
+        return self.core(
             self._embed(src),
             self._embed(tgt_in),
             tgt_mask=causal,
             tgt_is_causal=True,
             src_key_padding_mask=src_padding,
             memory_key_padding_mask=src_padding,
-        )
-        return h @ self.embed.weight.T  # (B, T, V)
+        )  # (B, T, D)
+
+
+class Marian(nn.Module):
+    """MarianMTModel, the architecture transformer.export writes, of the same dimensions."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        from transformers import MarianMTModel
+
+        from transformer.export import marian_config
+
+        with torch.device("meta"):  # marian_config reads the sizes off a model
+            shape = Transformer(cfg, vocab_size, PAD)
+        self.marian = MarianMTModel(marian_config(shape))
+        self.out_weight = self.marian.lm_head.weight
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        mask = (src != PAD).long()
+        out = self.marian.model(input_ids=src, attention_mask=mask, decoder_input_ids=tgt_in)
+        return out.last_hidden_state  # (B, T, D)
+
+
+BUILD = {"ours": Ours, "torch": TorchTransformer, "marian": Marian}
+LABELS = {"ours": "ours", "torch": "torch.nn.Transformer", "marian": "MarianMTModel"}
 
 
 def wmt_like_batches(n: int, max_tokens: int, vocab_size: int, seed: int) -> list[Batch]:
@@ -90,7 +135,8 @@ def make_batch(src_len: Tensor, tgt_len: Tensor, vocab_size: int, g) -> Batch:
     src = random_sentences(src_len, vocab_size, g, bos=False)  # x_1 .. x_m EOS
     tgt = random_sentences(tgt_len, vocab_size, g, bos=True)  # BOS y_1 .. y_n EOS
     tgt_in = tgt[:, :-1].masked_fill(tgt[:, :-1] == EOS, PAD)  # BOS y_1 .. y_n
-    return src, tgt_in, tgt[:, 1:]  # tgt_out: y_1 .. y_n EOS
+    tgt_out = tgt[:, 1:]  # y_1 .. y_n EOS
+    return src, tgt_in, tgt_out, (tgt_out.flatten() != PAD).nonzero().squeeze(1)
 
 
 def random_sentences(lengths: Tensor, vocab_size: int, g, bos: bool) -> Tensor:
@@ -108,7 +154,7 @@ def step_flops(model: Transformer, batch: Batch) -> float:
     target tokens), plus 6 * D * V per target token for the output projection, plus
     attention, 12 * D per (query, key) pair per layer (QK^T and AV, 2 FLOPs per
     multiply-add, x3 for forward + backward): S^2 encoder, T(T+1)/2 masked, T*S cross."""
-    src, _, tgt_out = batch
+    src, _, tgt_out, _ = batch
     s, t = (src != PAD).sum(1).double(), (tgt_out != PAD).sum(1).double()
     d, v, n_layers = model.cfg.d_model, model.out_proj.weight.size(0), model.cfg.n_layers
     count = lambda m: sum(p.numel() for p in m.parameters())
@@ -117,32 +163,48 @@ def step_flops(model: Transformer, batch: Batch) -> float:
     return float(linear + 12 * d * n_layers * pairs)
 
 
-def make_step(model: nn.Module, optimizer, device: torch.device):
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+def make_step(net: nn.Module, optimizer, bf16: bool) -> Callable[[Batch], Tensor]:
+    """One training step as the trainer's forward_loss makes it; returns the summed loss."""
+    device = net.out_weight.device.type
+    autocast = lambda: torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
 
-    def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> None:
-        with autocast:
-            logits = model(src, tgt_in)
-        loss, n = label_smoothed_nll(logits, tgt_out, 0.1, PAD)
-        (loss / n).backward()
+    def step(batch: Batch) -> Tensor:
+        src, tgt_in, tgt_out, positions = batch
+        with autocast():
+            hidden = net(src, tgt_in)  # (B, T, D)
+        rows = hidden.flatten(0, 1).index_select(0, positions)  # (N, D)
+        with autocast():
+            loss, _ = label_smoothed_loss(
+                rows, net.out_weight, tgt_out.flatten().index_select(0, positions), 0.1
+            )
+        (loss / positions.numel()).backward()
         if optimizer is not None:
             optimizer.step()
-        model.zero_grad(set_to_none=True)
+        net.zero_grad(set_to_none=True)
+        return loss.detach()
 
     return step
 
 
-def time_steps(steps: list, batches: list[Batch], warmup: int, device) -> list[float]:
-    """Seconds each step function spends on batches[warmup:]. The models take turns batch
-    by batch, so that the changing load of a shared machine falls on all of them alike."""
-    seconds = [0.0] * len(steps)
+def time_steps(steps: dict[str, Callable], batches: list[Batch], warmup: int, device):
+    """Seconds each step function spends on batches[warmup:], or why it could not finish.
+    The models take turns batch by batch, so that the changing load of a shared machine
+    falls on all of them alike; one that runs out of memory drops out, the others go on."""
+    seconds: dict[str, float | str] = dict.fromkeys(steps, 0.0)
     for i, batch in enumerate(batches):
-        for j, step in enumerate(steps):
-            sync(device)
-            start = time.perf_counter()
-            step(*batch)
-            sync(device)
-            seconds[j] += (time.perf_counter() - start) * (i >= warmup)
+        for label, step in steps.items():
+            if isinstance(seconds[label], str):
+                continue
+            try:
+                sync(device)
+                start = time.perf_counter()
+                step(batch)
+                sync(device)
+            except torch.cuda.OutOfMemoryError:
+                seconds[label] = f"failed: out of memory at {batch[0].numel()} padded source tokens"
+                torch.cuda.empty_cache()
+                continue
+            seconds[label] += (time.perf_counter() - start) * (i >= warmup)
     return seconds
 
 
@@ -151,54 +213,94 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench_config(name: str, args, device: torch.device) -> list[dict]:
-    params = load_params(PARAMS / f"{name}.yaml")
-    cfg, vocab = params.model, params.vocab.size
-    small = cfg.d_model < 256
-    steps = args.steps or (30 if device.type == "cuda" else 10 if small else 2)
-    warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
-    max_tokens = args.max_tokens or (
-        params.train.max_tokens if device.type == "cuda" or small else 1024
-    )
-    batches = wmt_like_batches(warmup + steps, max_tokens, vocab, args.seed)
+def build(label: str, params: Params, device: torch.device, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialised where it runs: big models build in seconds
+        return BUILD[label](params.model, params.vocab.size).train()
+
+
+def measure(
+    name: str,
+    params: Params,
+    device: torch.device,
+    max_tokens: int,
+    steps: int,
+    warmup: int,
+    peers: tuple[str, ...] = PEERS,
+    optimizer: bool = True,
+    seed: int = 1,
+) -> list[dict]:
+    """One row per peer: throughput of `params`' model at `max_tokens` padded tokens per
+    batch; a peer that cannot run here has a row whose `status` says why."""
+    batches = wmt_like_batches(warmup + steps, max_tokens, params.vocab.size, seed)
     batches = [tuple(x.to(device) for x in b) for b in batches]
+    nets, missing = {}, {}
+    for label in peers:
+        try:
+            nets[label] = build(label, params, device, seed)
+        except ImportError as err:
+            missing[label] = f"skipped: {err.name} not installed"
+    bf16, step_fns = device.type == "cuda", {}
+    for label, net in nets.items():
+        adam = build_optimizer(net, params.train, params.model.d_model)[0] if optimizer else None
+        step_fns[label] = make_step(net, adam, bf16)
+    with attention_context(device):  # the trainer's kernels, for the peers' SDPA calls too
+        seconds = {**time_steps(step_fns, batches, warmup, device), **missing}
     timed = batches[warmup:]
-    tokens = sum(int((b[2] != PAD).sum()) for b in timed)
-    with torch.device("meta"):  # shapes only, for the FLOP count of both models
-        shape = Transformer(cfg, vocab)
+    with torch.device("meta"):  # shapes only, for the FLOP count of all three
+        shape = Transformer(params.model, params.vocab.size)
     flops = sum(step_flops(shape, b) for b in timed)
-    models = {}
-    for label, build in (("ours", Transformer), ("torch", TorchTransformer)):
-        torch.manual_seed(args.seed)
-        models[label] = build(cfg, vocab).to(device).train()
-    optimizers = [
-        build_optimizer(m, params.train, cfg.d_model)[0] if args.optimizer else None
-        for m in models.values()
+    common = {
+        "config": name,
+        "device": device.type,
+        "precision": "bf16" if bf16 else "fp32",
+        "max_tok": max_tokens,
+        "steps": steps,
+        "tgt_tok/step": sum(b[3].numel() for b in timed) / steps,
+    }
+    rows = [
+        result(common, LABELS[label], trainable(nets.get(label)), seconds[label], flops)
+        for label in peers
     ]
-    step_fns = [make_step(m, o, device) for m, o in zip(models.values(), optimizers, strict=True)]
-    timings = time_steps(step_fns, batches, warmup, device)
-    rows = []
-    for (label, model), seconds in zip(models.items(), timings, strict=True):
-        tflops = flops / seconds / 1e12
-        rows.append(
-            {
-                "config": name,
-                "model": label,
-                "params": sum(p.numel() for p in model.parameters()),
-                "max_tok": max_tokens,
-                "steps": steps,
-                "tgt_tok/step": tokens / steps,
-                "ms/step": 1000 * seconds / steps,
-                "tgt_tok/s": tokens / seconds,
-                "TFLOP/s": tflops,
-                "MFU": tflops / args.peak_tflops,
-            }
-        )
+    del nets, step_fns
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
-def print_table(rows: list[dict], show_mfu: bool) -> None:
-    cols = [c for c in rows[0] if show_mfu or c != "MFU"]
+def trainable(net: nn.Module | None) -> int | None:
+    """Trained parameters (Marian's sinusoid tables are parameters that never train)."""
+    return None if net is None else sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+def result(
+    common: dict, model: str, n_params: int | None, seconds: float | str, flops: float
+) -> dict:
+    row = {**common, "model": model, "params": n_params}
+    if isinstance(seconds, str):
+        return {**row, "status": seconds}
+    steps, tflops = common["steps"], flops / seconds / 1e12
+    return {
+        **row,
+        "ms/step": 1000 * seconds / steps,
+        "tgt_tok/s": common["tgt_tok/step"] * steps / seconds,
+        "TFLOP/s": tflops,
+        "MFU": tflops / PEAK_TFLOPS if common["device"] == "cuda" else None,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = [
+        "config",
+        "model",
+        "params",
+        "max_tok",
+        "tgt_tok/step",
+        "ms/step",
+        "tgt_tok/s",
+        "TFLOP/s",
+        "MFU",
+    ]
     fmt = {
         "params": "{:,}",
         "tgt_tok/step": "{:.0f}",
@@ -207,11 +309,29 @@ def print_table(rows: list[dict], show_mfu: bool) -> None:
         "TFLOP/s": "{:.3f}",
         "MFU": "{:.1%}",
     }
-    cells = [[fmt.get(c, "{}").format(r[c]) for c in cols] for r in rows]
+    cells = [
+        [r.get("status", "-") if r.get(c) is None else fmt.get(c, "{}").format(r[c]) for c in cols]
+        for r in rows
+    ]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
     for row in cells:
         print("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """'base 32768: ours / torch.nn.Transformer = 1.31x target tokens/s' per measured peer."""
+    lines = []
+    for ours in (r for r in rows if r["model"] == "ours" and "tgt_tok/s" in r):
+        for peer in rows:
+            same = (peer["config"], peer.get("max_tok")) == (ours["config"], ours["max_tok"])
+            if same and peer is not ours and "tgt_tok/s" in peer:
+                ratio = ours["tgt_tok/s"] / peer["tgt_tok/s"]
+                lines.append(
+                    f"{ours['config']} {ours['max_tok']}: ours / {peer['model']} = "
+                    f"{ratio:.2f}x target tokens/s"
+                )
+    return lines
 
 
 def main() -> None:
@@ -221,31 +341,48 @@ def main() -> None:
     p.add_argument("--warmup", type=int, help="untimed steps first (default: GPU 5, CPU 1)")
     p.add_argument(
         "--max-tokens",
-        type=int,
-        help="padded tokens per batch (default: train.max_tokens; 1024 for big models on CPU)",
+        help="padded tokens per batch, comma-separated "
+        "(default: train.max_tokens; 1024 for big models on CPU)",
     )
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {PEERS}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--optimizer", action="store_true", help="include the Adam update")
-    p.add_argument("--peak-tflops", type=float, default=790.0, help="for MFU (bf16 dense)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     device = torch.device(args.device)
     # nn.Transformer warns that it cannot use nested tensors with norm_first; irrelevant here.
     warnings.filterwarnings("ignore", module="torch.nn.modules.transformer")
-    rows = [r for name in args.configs.split(",") for r in bench_config(name, args, device)]
+    rows = []
+    for name in args.configs.split(","):
+        params = load_params(PARAMS / f"{name}.yaml")
+        small = params.model.d_model < 256
+        cuda = device.type == "cuda"
+        steps = args.steps or (30 if cuda else 10 if small else 2)
+        warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+        default = params.train.max_tokens if cuda or small else 1024
+        for max_tokens in map(int, (args.max_tokens or str(default)).split(",")):
+            rows += measure(
+                name,
+                params,
+                device,
+                max_tokens,
+                steps,
+                warmup,
+                tuple(args.peers.split(",")),
+                args.optimizer,
+                args.seed,
+            )
     precision = "bf16 autocast" if device.type == "cuda" else "fp32"
     print(
         f"device {device} ({precision}), torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, optimizer step: {args.optimizer}"
     )
-    print_table(rows, show_mfu=device.type == "cuda")
+    print_table(rows)
     print(
         "FLOPs: 6 * non-embedding params * real tokens + 6 * D * V per target token "
         "+ attention 12 * D * (query, key) pairs per layer (causal pairs halved)"
     )
-    for ours, theirs in zip(rows[::2], rows[1::2], strict=True):
-        ratio = ours["tgt_tok/s"] / theirs["tgt_tok/s"]
-        print(f"{ours['config']}: ours / torch.nn.Transformer = {ratio:.2f}x target tokens/s")
+    print("\n".join(ratios(rows)))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
-"""Training throughput of the real loop (data loading, DDP-free single process, logging,
-all of `transformer.train.main`): steady-state target tokens/s, step time, peak memory, and
-on a GPU the model FLOP utilisation against a 790 TFLOP/s bf16 peak.
+"""Training throughput of the real loop (all of `transformer.train.main` in one process: data
+loading, the step, logging): steady-state target tokens/s, step time, peak memory, and on a
+GPU the model FLOP utilisation against a 790 TFLOP/s bf16 peak.
 
-    python benchmarks/train_throughput.py                   # CPU: smoke, update_freq 1 vs 2
-    python benchmarks/train_throughput.py --steps 200       # GPU: base/big, bf16 vs fp32, compile
+    python benchmarks/train_throughput.py                      # CPU: smoke, 1 vs 2 passes
+    python benchmarks/train_throughput.py --steps 200          # GPU: base/big, bf16/fp32, compile
+    python benchmarks/train_throughput.py --corpus synthetic   # anywhere: no corpus needed
 
-The corpus (default: Multi30k from ../shared/data/multi30k) goes through the pipeline's own
-stages (prepare, clean, learn BPE, shard) once, cached under --work. Each case runs in a
-fresh process, so peak memory is its own; the first fifth of the steps (warm-up, allocator
-growth, compilation) is left out of the rates.
+The corpus goes through the pipeline's own stages once, cached under --work: Multi30k (the
+default, ../shared/data/multi30k) through prepare, clean, BPE and shard; `synthetic` is
+random words with WMT-like lengths (lognormal, mean ~27, at most 250 per side) and a
+word-level vocabulary of the params' vocab.size (37k for base and big: WMT14's output
+layer), sharded by the same encode_and_shard. Each case runs in a fresh process, so peak
+memory is its own, under transformer.attention's kernels; the first fifth of the steps
+(warm-up, allocator growth, compilation) is left out of the rates.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
@@ -22,19 +27,24 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sentencepiece as spm
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from transformer.config import Params, load_params  # noqa: E402
+from transformer.config import Params, ShardConfig, load_params  # noqa: E402
+from transformer.vocab import BOS, EOS, PAD, UNK  # noqa: E402
 
 PEAK_FLOPS = 790e12  # bf16 dense peak the MFU is measured against
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 # name: (params file, overrides). A peer pair differs in one setting, measured side by side.
 CPU_CASES = {
-    "smoke uf1": ("params/smoke.yaml", ["train.update_freq=1"]),
-    "smoke uf2": ("params/smoke.yaml", ["train.update_freq=2"]),
+    "smoke 1 pass": ("params/smoke.yaml", ["train.batch_tokens=2048", "train.max_tokens=2048"]),
+    "smoke 2 passes": ("params/smoke.yaml", ["train.batch_tokens=2048", "train.max_tokens=1024"]),
 }
 GPU_CASES = {
     "base bf16": ("params/base.yaml", ["train.precision=bf16"]),
@@ -49,18 +59,26 @@ def main() -> None:
     if args.case:
         print(json.dumps(run_case(args)))
         return
-    cases = GPU_CASES if torch.cuda.is_available() else CPU_CASES
+    gpu = torch.cuda.is_available()
     rows = []
-    for name, (params_file, overrides) in cases.items():
-        vocab = vocab_size(load_params(ROOT / params_file), torch.cuda.is_available())
-        shards = prepare_shards(args.corpus, args.work, vocab)
-        rows.append({"case": name, **measure(args, name, params_file, overrides, shards, vocab)})
+    for name, (params_file, overrides) in (GPU_CASES if gpu else CPU_CASES).items():
+        params = load_params(ROOT / params_file, overrides)
+        if args.corpus == "synthetic":
+            vocab = params.vocab.size
+            shards = synthetic_shards(args.work, vocab, args.pairs)
+        else:
+            vocab = vocab_size(params, gpu)
+            shards = prepare_shards(Path(args.corpus), args.work, vocab)
+        overrides = [*overrides, f"vocab.size={vocab}"]
+        result = measure(name, params_file, overrides, shards, args.steps, args.work, args.threads)
+        rows.append({"case": name, **result})
     print_table(rows, args)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", type=Path, default=MULTI30K, help="text files, en/de")
+    parser.add_argument("--corpus", default=str(MULTI30K), help="text files en/de, or synthetic")
+    parser.add_argument("--pairs", type=int, default=100_000, help="synthetic corpus size")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's)")
@@ -99,45 +117,94 @@ def prepare_shards(corpus: Path, work: Path, vocab: int) -> Path:
             f"vocab.size={vocab}",
         ],
     )
-    prepare_source(params.data, work / f"prepared-{corpus.name}")
-    clean_corpus(work / f"prepared-{corpus.name}", params.data.clean, work / f"clean-{corpus.name}")
-    spm = learn_vocab(
-        work / f"clean-{corpus.name}" / "train.parquet",
-        params.vocab,
-        work / f"vocab-{corpus.name}-{vocab}",
+    prepared, clean = work / f"prepared-{corpus.name}", work / f"clean-{corpus.name}"
+    prepare_source(params.data, prepared)
+    clean_corpus(prepared, params.clean, clean)
+    vocab_dir = work / f"vocab-{corpus.name}-{vocab}"
+    encode_and_shard(
+        clean, learn_vocab(clean / "train.parquet", params.vocab, vocab_dir), params.shard, out
     )
-    encode_and_shard(work / f"clean-{corpus.name}", spm, params.shard, out)
+    return out
+
+
+def synthetic_shards(work: Path, vocab: int, pairs: int, max_len: int = 250, seed: int = 1):
+    """Shards of a random-word corpus (see the module docstring), cached under `work`."""
+    from transformer.data.shard import encode_and_shard
+
+    out = Path(work) / f"shards-synthetic-{vocab}-{pairs}-{max_len}"
+    if (out / "manifest.json").is_file():
+        return out
+    clean = Path(work) / f"clean-synthetic-{vocab}-{pairs}-{max_len}"
+    synthetic_corpus(clean, vocab, pairs, max_len, seed)
+    words = word_vocab(clean / "train.parquet", vocab, clean / "spm.model")
+    workers = 1 if pairs < 10_000 else 0  # a pool costs more than it saves on a toy corpus
+    encode_and_shard(clean, words, ShardConfig(workers=workers), out)
+    return out
+
+
+def synthetic_corpus(clean: Path, vocab: int, pairs: int, max_len: int, seed: int) -> None:
+    """{train,valid,test}.parquet of random words: source lengths lognormal (mean ~27), the
+    target/source ratio lognormal around 1, both clipped to [1, max_len]."""
+    rng = np.random.default_rng(seed)
+    words = np.array([f"w{i}" for i in range(vocab)])  # a few more than the vocab has room for
+    clean.mkdir(parents=True, exist_ok=True)
+    for role, n in (("train", pairs), ("valid", max(16, pairs // 100)), ("test", 16)):
+        src_len = np.clip(np.round(rng.lognormal(3.12, 0.6, n)), 1, max_len).astype(int)
+        tgt_len = np.clip(np.round(src_len * rng.lognormal(0.0, 0.15, n)), 1, max_len)
+        side = lambda lens: [" ".join(rng.choice(words, int(m))) for m in lens]
+        table = pa.table({"src": side(src_len), "tgt": side(tgt_len)})
+        pq.write_table(table, clean / f"{role}.parquet")
+
+
+def word_vocab(train: Path, vocab: int, out: Path) -> Path:
+    """A word-level sentencepiece model with the project's special ids: one piece a word,
+    so the lengths drawn are the lengths the model sees."""
+    table = pq.read_table(train)
+    sentences = iter([*table.column("src").to_pylist(), *table.column("tgt").to_pylist()])
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences,
+        model_writer=model,
+        model_type="word",
+        vocab_size=vocab,
+        hard_vocab_limit=False,
+        pad_id=PAD,
+        unk_id=UNK,
+        bos_id=BOS,
+        eos_id=EOS,
+        minloglevel=2,
+    )
+    out.write_bytes(model.getvalue())
     return out
 
 
 # --------------------------------------------------------------------------- one case
 
 
-def measure(args, name: str, params_file: str, overrides: list[str], shards: Path, vocab: int):
-    """Run one case in a fresh process (its own peak memory) and read its JSON line."""
+def measure(
+    name: str,
+    params_file: str,
+    overrides: list[str],
+    shards: Path,
+    steps: int,
+    work: Path,
+    threads: int = 0,
+    cpu: bool = False,
+) -> dict:
+    """Run one case in a fresh process (its own peak memory) and read its JSON line;
+    `cpu`: hide the GPUs from it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    cmd = [
-        sys.executable,
-        __file__,
-        "--case",
-        name,
-        "--params",
-        params_file,
-        "--shards",
-        str(shards),
-        "--work",
-        str(args.work),
-        "--steps",
-        str(args.steps),
-        "--overrides",
-        *overrides,
-        f"vocab.size={vocab}",
-    ]
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, __file__, "--case", name, "--params", params_file]
+    cmd += ["--shards", str(shards), "--work", str(work), "--steps", str(steps)]
+    cmd += ["--overrides", *overrides]
+    Path(work).mkdir(parents=True, exist_ok=True)
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"case {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"case {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -154,6 +221,7 @@ class Recorder:
 
 
 def run_case(args) -> dict:
+    from transformer.attention import attention_context
     from transformer.train import main as train_main
 
     steps, window = args.steps, max(1, args.steps // 10)
@@ -168,7 +236,8 @@ def run_case(args) -> dict:
         "train.valid_bleu=false",
     ]
     recorder = Recorder()
-    with tempfile.TemporaryDirectory(dir=args.work) as run_dir:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory(dir=args.work) as run_dir, attention_context(device):
         argv = [str(ROOT / args.params), "--data", str(args.shards), "--out", run_dir]
         with open(os.devnull, "w") as quiet:  # the JSON line must be the last of stdout
             stdout, sys.stdout = sys.stdout, quiet
@@ -213,7 +282,7 @@ def n_params(params: Params, vocab: int) -> int:
 def flops_per_target_token(params: Params, shards: Path) -> float:
     """Training FLOPs (3 x forward matmuls, real tokens only, padding not counted) per
     target token, from the corpus' average lengths: the model's work, not the kernels'."""
-    manifest = json.loads((shards / "manifest.json").read_text())["roles"]["train"]
+    manifest = json.loads((Path(shards) / "manifest.json").read_text())["roles"]["train"]
     rows, src, tgt = manifest["rows"], manifest["src_tokens"], manifest["tgt_tokens"]
     ls, lt, ratio = src / rows, tgt / rows, src / tgt
     d, f, n, v = (params.model.d_model, params.model.d_ff, params.model.n_layers, params.vocab.size)
@@ -257,7 +326,8 @@ def print_table(rows: list[dict], args) -> None:
             ]
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    print(f"\n{args.steps} steps per case, the first fifth left out; corpus {args.corpus.name}")
+    corpus = Path(args.corpus).name
+    print(f"\n{args.steps} steps per case, the first fifth left out; corpus {corpus}")
     for row in lines:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
 

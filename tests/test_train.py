@@ -4,6 +4,7 @@ updates, early stopping, signals."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer.train as train_module
 from transformer import checkpoint as ckpt
 from transformer.config import load_params, to_dict
+from transformer.distributed import DistEnv
 from transformer.train import batch_plan, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,6 +327,7 @@ def test_params_errors_are_one_line_and_exit_2(tiny_shards, tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and "missing.yaml" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="states what happens on a CPU")
 def test_cpu_precision_is_stated(tiny_params, tiny_shards, tmp_path, caplog):
     caplog.set_level("INFO", logger="transformer")
     assert (
@@ -331,6 +335,64 @@ def test_cpu_precision_is_stated(tiny_params, tiny_shards, tmp_path, caplog):
         == 0
     )
     assert "training in fp32 on CPU" in caplog.text
+
+
+def _trainer(tiny_params, tiny_shards, run_dir, *overrides) -> train_module.Trainer:
+    params = load_params(tiny_params, list(overrides))
+    return train_module.Trainer(params, DistEnv(0, 1, 0, torch.device("cpu")), tiny_shards, run_dir)
+
+
+def test_an_update_reads_the_device_once(tiny_params, tiny_shards, tmp_path, monkeypatch):
+    """One host sync per update (the finiteness check reads the update's sums back): on a
+    GPU every other sync stalls the queue of kernels. Counted on the CPU as the syncs a GPU
+    would make: reads of a tensor's value (.item(), bool(), float(), .tolist())."""
+    t = _trainer(tiny_params, tiny_shards, tmp_path / "run", "train.batch_tokens=512",
+                 "train.clip_norm=1.0")  # two micro-batches, clipping on  # fmt: skip
+    batches = iter(t.loader)
+    micro = [next(batches) for _ in range(t.update_freq)]
+    # Fused Adam keeps its step count on the GPU; on the CPU Adam reads it: not counted.
+    monkeypatch.setattr(t.optimizer, "step", lambda: None)
+    monkeypatch.setattr(t.scheduler, "step", lambda: None)
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda x: reads.append("tolist") or real_tolist(x))
+
+    class CountReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with CountReads():
+        result = t.step(micro, stop_requested=False)
+    t.loader.close()
+    assert result.ok and t.update_freq == 2
+    assert reads == ["tolist"], reads
+
+
+def test_compiled_training_builds_at_most_two_graphs_for_many_shapes(
+    tiny_params, tiny_shards, tmp_path, monkeypatch
+):
+    """torch.compile with dynamic shapes: batches of many (rows, length) shapes cost one
+    graph (two at most: a batch of one row may specialise), not one each."""
+    from torch._dynamo.utils import counters
+
+    shapes = set()
+    forward_loss = train_module.Trainer.forward_loss
+
+    def record(self, batch):
+        shapes.add((tuple(batch.src.shape), tuple(batch.tgt_in.shape)))
+        return forward_loss(self, batch)
+
+    monkeypatch.setattr(train_module.Trainer, "forward_loss", record)
+    # Dynamo decides the graphs; its eager backend saves compiling them to C++ here.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    assert train(tiny_params, tiny_shards, tmp_path / "run", "train.compile=true",
+                 "train.max_steps=12", "train.valid_every=12") == 0  # fmt: skip
+    assert len(shapes) >= 6, shapes
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
 # --------------------------------------------------------------------------- processes

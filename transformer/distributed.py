@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -33,21 +34,36 @@ class DistEnv:
         return self.world_size > 1
 
 
+# A collective waits this long for the slowest rank before the run fails (instead of
+# hanging): longer than any save or validation a rank can do while the others wait.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+class DistributedError(RuntimeError):
+    """The processes cannot be laid out as asked (more ranks than GPUs on a node)."""
+
+
 def init_distributed() -> DistEnv:
     """Read the ranks from the environment; join the process group when WORLD_SIZE > 1."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise DistributedError(
+                f"local rank {local_rank} but {torch.cuda.device_count()} GPU(s) visible: "
+                "start at most one process per GPU (torchrun --nproc_per_node, "
+                "pipeline.nproc_per_node)"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":  # device_id binds the NCCL communicator eagerly
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=COLLECTIVE_TIMEOUT)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     return DistEnv(rank, world_size, local_rank, device)
 
 

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from transformer.attention import attention_context
+from transformer.attention import describe as describe_attention
 from transformer.checkpoint import (
     KEEP_STATES,
     STATE_FORMAT,
@@ -52,6 +54,7 @@ from transformer.data.batching import Batch, BatchLoader, ShardDataset, TokenBat
 from transformer.data.shard import verify_shards
 from transformer.distributed import (
     DistEnv,
+    DistributedError,
     all_reduce_sum,
     barrier,
     broadcast_object,
@@ -124,6 +127,8 @@ class Trainer:
     def __init__(self, params: Params, env: DistEnv, shards: Path, run_dir: Path):
         cfg = self.cfg = params.train
         self.params, self.env, self.run_dir = params, env, run_dir
+        if env.device.type == "cuda":  # fp32 matmuls (fp32 runs, the loss) on tensor cores
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if env.is_main:  # sizes always, checksums once per shards folder
             verify_shards(shards)
         barrier()
@@ -349,6 +354,7 @@ class Trainer:
     def describe(self) -> None:
         cfg, env = self.cfg, self.env
         n_params = sum(p.numel() for p in self.model.parameters())
+        log.info(describe_attention(env.device))
         log.info("rank %d of %d on %s; model: %.2fM parameters",
                  env.rank, env.world_size, env.device, n_params / 1e6)  # fmt: skip
         if env.device.type == "cpu" and cfg.precision != "fp32":
@@ -392,7 +398,11 @@ def main(argv: list[str] | None = None, logger: MetricsLogger | None = None) -> 
     except ParamsError as err:
         print(f"error: {err}".replace("\n", "; "), file=sys.stderr)
         return EXIT_USAGE
-    env = init_distributed()
+    try:
+        env = init_distributed()
+    except DistributedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     setup_logging(env.is_main, timestamps=not args.no_timestamps)
     try:
         die_with_parent(args.die_with_parent)
@@ -451,7 +461,8 @@ def run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsL
     stop = StopSignal()
     try:
         stop.install()
-        return t.fit(sink, stop)
+        with attention_context(env.device):  # the backends chosen in attention.py
+            return t.fit(sink, stop)
     finally:
         stop.restore()
         t.loader.close()

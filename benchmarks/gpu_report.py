@@ -1,0 +1,983 @@
+"""The GPU report: what this project does on a GPU machine, measured in one run beside its
+targets, written to one folder as report.md and report.json.
+
+    python benchmarks/gpu_report.py [--out DIR] [--device cuda|cpu] [--tiny] [--budget S]
+
+The folder defaults to benchmarks/results/<YYYY-MM-DD>-<device name>/ and is printed at the
+end. On one H100 the run is meant to take under 9 minutes: a section that would start
+after --budget seconds is skipped, saying so. `--device cpu --tiny` runs every section's
+code on toy sizes in under a minute; tests/test_gpu_report.py runs it, so the report cannot
+rot. Nothing is installed: it runs on the torch it finds (an NGC container's, say).
+
+Sections, in the order they run:
+- environment: versions, the device, and for each kind of attention call model.py makes
+  the SDPA backend that runs it (transformer/attention.py's choice, and torch's default)
+  with every backend's time at representative shapes and over a sweep of new shapes: the
+  measurement behind attention.CUDA_BACKENDS;
+- train step: target tokens/s, TFLOP/s and MFU of a training step of base and big in
+  bf16 at two micro-batch sizes, beside torch.nn.Transformer and MarianMTModel of the same
+  dimensions (benchmarks/model_step.py), and of the smoke model on the CPU;
+- train loop: transformer.train's own loop with data loading on synthetic shards
+  (benchmarks/train_throughput.py);
+- decode: beam-4 sentences/s of base and big (and the smoke model on the CPU) beside
+  CTranslate2 on the same weights (benchmarks/decode.py's functions);
+- bf16 vs fp32: the loss curves of both precisions overfitting one batch;
+- checkpoint: seconds to save a training state of big and a model snapshot;
+- gpu tests: `pytest -m gpu` in a subprocess;
+then the project's targets, pass or fail. A section degrades to "skipped: <why>" when a
+package or a device feature is missing, a peer's row likewise, and a section that fails
+says so without stopping the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]  # the library, and the benchmarks beside this one
+
+import decode as decode_bench  # noqa: E402
+import model_step  # noqa: E402
+import train_throughput  # noqa: E402
+
+from transformer import attention  # noqa: E402
+from transformer.checkpoint import CheckpointManager  # noqa: E402
+from transformer.config import Params, load_params, to_dict  # noqa: E402
+from transformer.model import Transformer  # noqa: E402
+from transformer.optim import build_optimizer  # noqa: E402
+from transformer.vocab import PAD  # noqa: E402
+
+PEAK_TFLOPS = model_step.PEAK_TFLOPS
+AGREE = 0.05  # bf16 and fp32 losses "agree" within this relative difference at every step
+TINY = [
+    "model.n_layers=1",
+    "model.d_model=32",
+    "model.d_ff=64",
+    "model.n_heads=2",
+    "vocab.size=64",
+    "train.batch_tokens=256",
+    "train.max_tokens=256",
+]
+CONFIGS = {  # name: (params file, overrides)
+    "base": ("params/base.yaml", []),
+    "big": ("params/big.yaml", []),
+    "smoke": ("params/smoke.yaml", []),
+    "tiny": ("params/smoke.yaml", TINY),
+}
+
+
+def config(name: str, *extra: str) -> Params:
+    path, overrides = CONFIGS[name]
+    return load_params(ROOT / path, [*overrides, *extra])
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The environment section's attention calls: h heads of d_k; training calls at the
+    (rows, length) shapes of `train`, then once each at the new shapes of `sweep`; beam
+    search over `sentences` x 4 hypotheses for `steps` steps, a new key length each."""
+
+    heads: int
+    d_k: int
+    train: tuple[tuple[int, int], ...]
+    sweep: tuple[tuple[int, int], ...]
+    sentences: int
+    steps: int
+    reps: int  # timed calls at each representative shape
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What each section measures. A device "main" is --device's; "cpu" is the CPU's."""
+
+    name: str
+    step_cases: tuple[tuple[str, int, str], ...]  # train step: (config, max_tokens, device)
+    timed_steps: int
+    warmup_steps: int
+    loop_cases: tuple[tuple[str, int], ...]  # train loop: (config, steps)
+    loop_pairs: int  # the synthetic corpus
+    loop_max_len: int
+    decode_cases: tuple[tuple[str, str, int], ...]  # (config, device, sentences)
+    default_sentences: int  # beam search under torch's default kernels (CUDA only)
+    overfit: tuple[str, int, int]  # bf16 vs fp32: (config, max_tokens, steps)
+    checkpoint: str
+    cpu_config: str  # the model of the CPU targets
+    shapes: Shapes
+    tests: str  # what `pytest -m gpu` collects
+
+
+WMT_SWEEP = tuple((32768 // n, n) for n in range(40, 104, 8))  # 32k-token batches
+GPU = Plan(
+    "gpu",
+    step_cases=(
+        ("base", 8192, "main"),
+        ("base", 32768, "main"),
+        ("big", 8192, "main"),
+        ("big", 32768, "main"),
+        ("smoke", 2048, "cpu"),
+    ),
+    timed_steps=20,
+    warmup_steps=5,
+    loop_cases=(("base", 300), ("big", 200)),
+    loop_pairs=100_000,
+    loop_max_len=250,
+    decode_cases=(("base", "main", 2000), ("big", "main", 1000), ("smoke", "cpu", 500)),
+    default_sentences=128,
+    overfit=("base", 4096, 100),
+    checkpoint="big",
+    cpu_config="smoke",
+    shapes=Shapes(8, 64, ((1024, 32), (128, 256)), WMT_SWEEP, 256, 60, 20),
+    tests="tests",
+)
+CPU = Plan(
+    "cpu",
+    step_cases=(("smoke", 1024, "main"), ("smoke", 2048, "main")),
+    timed_steps=5,
+    warmup_steps=1,
+    loop_cases=(("smoke", 50),),
+    loop_pairs=5000,
+    loop_max_len=100,
+    decode_cases=(("smoke", "main", 200),),
+    default_sentences=32,
+    overfit=("smoke", 1024, 30),
+    checkpoint="smoke",
+    cpu_config="smoke",
+    shapes=Shapes(
+        4, 32, ((64, 32), (16, 128)), ((48, 40), (40, 48), (32, 56), (28, 64)), 32, 20, 3
+    ),
+    tests="tests",
+)
+TINY_PLAN = Plan(
+    "tiny",
+    step_cases=(("tiny", 128, "main"), ("tiny", 256, "main")),
+    timed_steps=2,
+    warmup_steps=1,
+    loop_cases=(("tiny", 8),),
+    loop_pairs=400,
+    loop_max_len=20,
+    decode_cases=(("tiny", "main", 12),),
+    default_sentences=4,
+    overfit=("tiny", 128, 5),
+    checkpoint="tiny",
+    cpu_config="tiny",
+    shapes=Shapes(2, 16, ((8, 16),), ((6, 20), (5, 24)), 4, 4, 1),
+    tests="tests/test_gpu.py",  # the marked tests only: collecting all of tests/ takes long
+)
+
+
+@dataclass
+class Run:
+    device: torch.device
+    plan: Plan
+    work: Path  # temporary files, inside the report folder (its disk is the one measured)
+    budget: float  # seconds after which no section starts
+    threads: int  # CPU threads of subprocesses (0: torch's default)
+    start: float = field(default_factory=time.monotonic)
+
+    def on(self, where: str) -> torch.device:
+        return self.device if where == "main" else torch.device(where)
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.start)
+
+
+@dataclass
+class Result:
+    tables: dict[str, list[dict]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+class Skipped(Exception):
+    """A whole section cannot run here; the message says why."""
+
+
+def peer(row: dict, measure: Callable[[], dict]) -> dict:
+    """`row` with `measure()`'s figures, or with a `status` saying why there are none: a
+    missing package, or a failure of this peer (the section goes on without it)."""
+    try:
+        return {**row, **measure()}
+    except ImportError as err:
+        return {**row, "status": f"skipped: {err.name or err} not installed"}
+    except Exception as err:  # a peer's failure is a finding, not the end of the section
+        return {**row, "status": f"failed: {type(err).__name__}: {first_line(err)}"}
+
+
+def first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else ""
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: torch.device, reps: int = 1) -> float:
+    """Seconds per call of `fn`, the device's queue drained before and after."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / reps
+
+
+# --------------------------------------------------------------------------- environment
+
+ENCODER, CAUSAL, CROSS, BEAM = (
+    "encoder self-attention",
+    "decoder causal self-attention",
+    "cross-attention",
+    "beam-search step",
+)
+BACKENDS = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.MATH,
+)
+
+
+def environment(run: Run) -> Result:
+    rows = attention_rows(run)
+    versions = [{"item": k, "value": v} for k, v in versions_table(run.device).items()]
+    notes = [attention.describe(run.device), *verdict(rows, run)]
+    return Result({"versions": versions, "attention backends": rows}, notes)
+
+
+def versions_table(device: torch.device) -> dict[str, str]:
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "CUDA (torch built with)": str(torch.version.cuda),
+        "cuDNN": str(torch.backends.cudnn.version()),
+        "device": device_name(device),
+        "CPU cores": str(len(os.sched_getaffinity(0))),
+        "torch threads": str(torch.get_num_threads()),
+        "commit": git_commit(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out["compute capability"] = f"sm{props.major}{props.minor}"
+        out["GPU memory"] = f"{props.total_memory / 2**30:.1f} GiB"
+    for package in ("ctranslate2", "transformers", "sentencepiece", "pytest"):
+        out[package] = package_version(package)
+    order = getattr(torch._C, "_get_sdp_priority_order", lambda: [])()  # private: may vanish
+    out["torch's SDPA priority"] = " > ".join(SDPBackend(i).name for i in order) or "unknown"
+    for var in sorted(v for v in os.environ if v.startswith("TORCH_CUDNN_SDPA")):
+        out[var] = os.environ[var]
+    return out
+
+
+def package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    with contextlib.suppress(OSError):  # Linux names the CPU model here; others may not
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "CPU " + line.split(":", 1)[1].strip()
+    return f"CPU {platform.machine()}"
+
+
+def git_commit() -> str:
+    git = lambda *args: subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10
+    )
+    try:
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no git)"
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    changed = len(dirty.stdout.splitlines())
+    return head.stdout.strip() + (f" + {changed} changed files" if changed else "")
+
+
+def attention_rows(run: Run) -> list[dict]:
+    """Per call kind and backend: whether ours / torch's default picks it, its time at the
+    representative shapes, and over new shapes (first calls, then the same calls again)."""
+    kinds = (ENCODER, CAUSAL, CROSS, BEAM)
+    shapes = {kind: kind_shapes(kind, run.plan.shapes) for kind in kinds}
+    # torch's default first: its priority order is set up at the first SDPA call, and a
+    # set_priority context entered before that restores the order it found, not torch's.
+    default = {k: chosen(k, shapes[k][0][0], run, contextlib.nullcontext()) for k in kinds}
+    rows = []
+    for kind in kinds:
+        warm, sweep = shapes[kind]
+        ours = chosen(kind, warm[0], run, attention.attention_context(run.device))
+        for backend in BACKENDS:
+            row = {
+                "call": kind,
+                "backend": attention.NAMES[backend],
+                "ours": ours == backend,
+                "torch default": default[kind] == backend,
+            }
+            rows.append({**row, **backend_times(backend, kind, warm, sweep, run)})
+    return rows
+
+
+def kind_shapes(kind: str, s: Shapes) -> tuple[list, list]:
+    """(representative shapes, new shapes) of a kind: (rows, length), or for beam search
+    (sentences, cache slots), 4 slots more at each step."""
+    if kind == BEAM:  # the representative shape is none of the sweep's: those stay new
+        sweep = [(s.sentences, 4 * t) for t in range(1, s.steps + 1)]
+        return [(s.sentences, 4 * (s.steps // 2) + 2)], sweep
+    return list(s.train), list(s.sweep)
+
+
+def sdpa_call(kind: str, shape: tuple[int, int], run: Run):
+    """(a call of model.py's kind at `shape`, with backward for the training kinds; its
+    SDPA arguments). q, k, v are views of one projection as MultiHeadAttention's are."""
+    s, dev = run.plan.shapes, run.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    (b, n), train = shape, kind != BEAM
+    if kind == BEAM:  # 4 hypotheses a sentence, one new position each, n filled cache slots
+        q = torch.randn(b, s.heads, 4, s.d_k, device=dev, dtype=dtype)
+        kv = torch.randn(b, 2, s.heads, n + 8, s.d_k, device=dev, dtype=dtype)[..., :n, :]
+        mask = torch.rand(b, 1, 4, n, device=dev) < 0.7
+        mask[..., -1] = True  # every hypothesis sees at least its own newest slot
+        args, leaves = (q, kv[:, 0], kv[:, 1], mask, False), []
+    else:
+        keys = n + n // 8 if kind == CROSS else n  # a source a little longer than the target
+        x = torch.randn(b, n, 3, s.heads, s.d_k, device=dev, dtype=dtype, requires_grad=True)
+        m = torch.randn(b, keys, 2, s.heads, s.d_k, device=dev, dtype=dtype, requires_grad=True)
+        q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)  # (B, h, T, d_k) each
+        if kind == CROSS:
+            k, v = m.permute(2, 0, 3, 1, 4).unbind(0)
+        lengths = torch.randint(keys // 2, keys + 1, (b,), device=dev)
+        mask = (torch.arange(keys, device=dev) < lengths[:, None])[:, None, None, :]
+        args = (q, k, v, None, True) if kind == CAUSAL else (q, k, v, mask, False)
+        leaves = [x, m]
+
+    def call() -> None:
+        y = F.scaled_dot_product_attention(*args[:3], attn_mask=args[3], is_causal=args[4])
+        if train:
+            y.backward(torch.ones_like(y))
+            for leaf in leaves:
+                leaf.grad = None
+
+    return call, args
+
+
+def chosen(kind: str, shape, run: Run, context) -> SDPBackend | None:
+    """The backend SDPA selects for this call under `context` (torch's own selector)."""
+    _, (q, k, v, mask, causal) = sdpa_call(kind, shape, run)
+    try:
+        with context:
+            return SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal))
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # a private op: may change
+        return None
+
+
+def backend_times(backend: SDPBackend, kind: str, warm: list, sweep: list, run: Run) -> dict:
+    with sdpa_kernel([backend]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch explains at length why a kernel does not fit
+        try:
+            ms = {}
+            for shape in warm:
+                call, _ = sdpa_call(kind, shape, run)
+                call()  # the first call at a shape: plans, kernels loaded, memory
+                ms["x".join(map(str, shape))] = 1000 * timed(call, run.device, run.plan.shapes.reps)
+            calls = [sdpa_call(kind, shape, run)[0] for shape in sweep]
+            cold = [timed(call, run.device) for call in calls]
+            again = [timed(call, run.device) for call in calls]
+        except RuntimeError as err:
+            return {"status": f"unsupported: {first_line(err)[:80]}"}
+    return {
+        "ms at shape": ms,
+        "new shapes": len(sweep),
+        "first calls ms": 1000 * sum(cold),
+        "same again ms": 1000 * sum(again),
+    }
+
+
+def verdict(rows: list[dict], run: Run) -> list[str]:
+    """Whether cuDNN beats attention.py's choice at every call kind, new shapes counted."""
+    if run.device.type != "cuda":
+        return ["cuDNN attention does not run on a CPU: nothing to decide here"]
+    lines, slower, kinds = [], [], (ENCODER, CAUSAL, CROSS, BEAM)
+    for kind in kinds:
+        ours = next((r for r in rows if r["call"] == kind and r["ours"]), None)
+        cudnn = next(r for r in rows if r["call"] == kind and r["backend"] == "cuDNN")
+        if ours is None or "first calls ms" not in cudnn or "first calls ms" not in ours:
+            lines.append(f"{kind}: no comparison (cuDNN or ours did not run)")
+            slower.append(kind)
+            continue
+        warm = lambda r: sum(r["ms at shape"].values())
+        faster = warm(cudnn) < warm(ours) and cudnn["first calls ms"] < ours["first calls ms"]
+        lines.append(
+            f"{kind}: ours ({ours['backend']}) {warm(ours):.3g} ms warm, "
+            f"{ours['first calls ms']:.4g} ms over {ours['new shapes']} new shapes; cuDNN "
+            f"{warm(cudnn):.3g} ms, {cudnn['first calls ms']:.4g} ms"
+        )
+        slower += [] if faster else [kind]
+    if slower:
+        lines.append(
+            f"keep attention.CUDA_BACKENDS: cuDNN is not measured faster at {', '.join(slower)}"
+        )
+    else:
+        lines.append(
+            "cuDNN is faster at every call kind, new shapes counted: admit it first "
+            "in attention.CUDA_BACKENDS, citing this report"
+        )
+    return lines
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_step(run: Run) -> Result:
+    rows = []
+    for name, max_tokens, where in run.plan.step_cases:
+        rows += model_step.measure(
+            name,
+            config(name),
+            run.on(where),
+            max_tokens,
+            run.plan.timed_steps,
+            run.plan.warmup_steps,
+        )
+    notes = [
+        *model_step.ratios(rows),
+        f"{run.plan.timed_steps} timed steps after {run.plan.warmup_steps} untimed, Adam "
+        "included; the same WMT-like synthetic batches and fused loss for all three; bf16 "
+        "autocast on CUDA, fp32 on CPU; under transformer.attention's kernels "
+        "(python benchmarks/model_step.py --configs base,big --max-tokens 8192,32768 "
+        "--optimizer for the same measurement alone)",
+        f"MFU against {PEAK_TFLOPS:.0f} TFLOP/s (dense bf16, H100 SXM); FLOPs: 6 x non-"
+        "embedding params x real tokens + 6 D V per target token + attention",
+    ]
+    return Result({"": rows}, notes)
+
+
+def train_loop(run: Run) -> Result:
+    rows = []
+    for name, steps in run.plan.loop_cases:
+        path, overrides = CONFIGS[name]
+        shards = train_throughput.synthetic_shards(
+            run.work, config(name).vocab.size, run.plan.loop_pairs, run.plan.loop_max_len
+        )
+        r = train_throughput.measure(
+            name,
+            path,
+            overrides,
+            shards,
+            steps,
+            run.work,
+            run.threads,
+            cpu=run.device.type != "cuda",
+        )
+        tflops = r["tokens_per_s"] * r["flops_per_token"] / 1e12
+        rows.append(
+            {
+                "config": name,
+                "device": r["device"],
+                "steps": steps,
+                "tokens/update": r["tokens_per_update"],
+                "step s": r["step_time"],
+                "tgt tok/s": r["tokens_per_s"],
+                "TFLOP/s": tflops,
+                "MFU": tflops / PEAK_TFLOPS if run.device.type == "cuda" else None,
+                "peak mem GiB": r["peak_mem_gb"],
+            }
+        )
+    note = (
+        f"python -m transformer.train <params> --data <shards> in a fresh process per "
+        f"config, its own params (batch_tokens, max_tokens, precision), on {run.plan.loop_pairs:,} "
+        f"synthetic pairs (random words, WMT-like lengths <= {run.plan.loop_max_len}, a word "
+        "vocabulary of the params' size); the first fifth of the steps left out "
+        "(benchmarks/train_throughput.py --corpus synthetic)"
+    )
+    return Result({"": rows}, [note])
+
+
+def precision(run: Run) -> Result:
+    """Both precisions overfit one batch from the same initial weights, dropout off."""
+    name, max_tokens, steps = run.plan.overfit
+    params = config(name, "model.dropout=0.0")
+    batch = model_step.wmt_like_batches(1, max_tokens, params.vocab.size, seed=2)[0]
+    batch = tuple(x.to(run.device) for x in batch)
+    curves = {p: overfit(params, batch, steps, p == "bf16", run.device) for p in ("fp32", "bf16")}
+    diff = [abs(b - f) / f for f, b in zip(curves["fp32"], curves["bf16"], strict=True)]
+    shown = sorted({0, *range(steps // 10 or 1, steps, steps // 10 or 1), steps - 1})
+    rows = [
+        {
+            "step": i + 1,
+            "fp32 loss": curves["fp32"][i],
+            "bf16 loss": curves["bf16"][i],
+            "relative difference": diff[i],
+        }
+        for i in shown
+    ]
+    agree = "agree" if max(diff) <= AGREE else "DISAGREE"
+    return Result(
+        {"": rows},
+        [
+            f"{agree}: the largest relative difference over {steps} steps is {max(diff):.2%} "
+            f"(agreement: <= {AGREE:.0%} at every step)",
+            f"config {name}, dropout 0, one batch of <= {max_tokens} padded tokens "
+            f"({batch[3].numel()} targets), Adam lr 3e-4, label smoothing 0.1, the trainer's "
+            "fused loss; bf16 autocast on " + run.device.type,
+        ],
+    )
+
+
+def overfit(params: Params, batch, steps: int, bf16: bool, device: torch.device) -> list:
+    net = model_step.build("ours", params, device, seed=1)
+    adam = torch.optim.Adam(net.parameters(), lr=3e-4, betas=(0.9, 0.98), eps=1e-9)
+    step = model_step.make_step(net, adam, bf16)
+    with attention.attention_context(device):
+        return [step(batch).item() / batch[3].numel() for _ in range(steps)]
+
+
+def checkpoint(run: Run) -> Result:
+    """A training state (model, Adam's moments, schedule) and a model snapshot of the
+    plan's model, written as the trainer writes them (atomic_save: write, fsync, rename)."""
+    name = run.plan.checkpoint
+    params = config(name)
+    torch.manual_seed(1)
+    model = Transformer(params.model, params.vocab.size, PAD).to(run.device)
+    adam, schedule = build_optimizer(model, params.train, params.model.d_model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    adam.step()  # Adam's moments exist, as in any state after step 1
+    manager = CheckpointManager(run.work / "checkpoints", 1, 0, higher_is_better=False)
+    state = {
+        "params": to_dict(params),
+        "model": model.state_dict(),
+        "optimizer": adam.state_dict(),
+        "scheduler": schedule.state_dict(),
+    }
+    writes = {
+        "training state": lambda: manager.save_state(1, state),
+        "model snapshot": lambda: manager.snapshot(1, {}, model.state_dict(), None),
+    }
+    rows = []
+    for what, write in writes.items():
+        start = time.perf_counter()
+        path = write()
+        seconds = time.perf_counter() - start
+        size = path.stat().st_size / 1e9
+        rows.append(
+            {"config": name, "file": what, "GB": size, "seconds": seconds, "GB/s": size / seconds}
+        )
+    n_params = sum(p.numel() for p in model.parameters())
+    shutil.rmtree(run.work / "checkpoints")  # gigabytes, in the report folder
+    return Result(
+        {"": rows},
+        [
+            f"{n_params:,} parameters on {run.device.type}, written to {run.work} "
+            "(inside the report folder: that disk) through transformer.checkpoint's "
+            "CheckpointManager (torch.save, fsync, rename); the time includes the copy off the GPU",
+        ],
+    )
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def decode(run: Run) -> Result:
+    rows, notes = [], []
+    for name, where, n in run.plan.decode_cases:
+        case = decode_case(run, name, run.on(where), n)
+        rows += case
+        ours, ct2 = case[0], case[-1]
+        if "sent/s" in ours and "sent/s" in ct2:
+            notes.append(
+                f"{name} on {ours['device']}: ours / CTranslate2 = "
+                f"{ours['sent/s'] / ct2['sent/s']:.2f}x sentences/s"
+            )
+    notes += [
+        "random weights, WMT-like random sources (lognormal lengths, mean ~27 subwords), "
+        "each batch's sources evened to its longest and every output ending where its source "
+        "does, for both decoders (benchmarks/decode.py; python benchmarks/decode.py --configs "
+        "base,big --modes beam,ct2-beam measures the same alone); the params' decode section "
+        "(beam 4, alpha 0.6, max length source + 50, decode.max_tokens per batch)",
+        "torch default attention: the same search with no sdpa_kernel restriction, on the "
+        "first sentences only and first calls included, as a translate run without "
+        "transformer.attention would pay them",
+        " ".join(decode_bench.DIFFERENCES.split()),
+    ]
+    return Result({"": rows}, notes)
+
+
+def decode_case(run: Run, name: str, device: torch.device, n: int) -> list[dict]:
+    params = config(name)
+    vocab, cfg, dev = params.vocab.size, params.decode, device.type
+    torch.manual_seed(0)
+    model = Transformer(params.model, vocab, pad_id=PAD).to(device).eval()
+    sources = decode_bench.wmt_like_sources(n, vocab, seed=0)
+    sources = decode_bench.even_batches(sources, cfg.max_tokens, vocab, seed=1)
+    searcher = decode_bench.EndsWithSource(model)
+    go = lambda s: decode_bench.run(searcher, s, cfg, "beam", dev)
+    row = {"config": name, "device": dev, "precision": "bf16" if dev == "cuda" else "fp32"}
+    with attention.attention_context(device):
+        ours = {**row, "search": "beam 4, ours", **rate(go, sources, warm_up=True)}
+    default = {**row, "search": "beam 4, ours, torch default attention"}
+    if dev == "cuda":
+        default = peer(default, lambda: rate(go, sources[: run.plan.default_sentences]))
+    else:
+        default["status"] = "skipped: on CPU attention.py leaves torch's choice as it is"
+    pieces = ["<pad>", "<unk>", "<s>", "</s>", *(f"w{i}" for i in range(4, vocab))]
+    ct2 = peer(
+        {**row, "search": "beam 4, CTranslate2"},
+        lambda: ctranslate2_rate(model, sources, pieces, cfg, dev),
+    )
+    return [ours, default, ct2]
+
+
+def rate(go: Callable, sources: list, warm_up: bool = False) -> dict:
+    if warm_up:
+        go(sources[:16])
+    seconds, tokens, _ = go(sources)
+    return {
+        "sentences": len(sources),
+        "seconds": seconds,
+        "sent/s": len(sources) / seconds,
+        "tok/s": tokens / seconds,
+        "mean tgt len": tokens / len(sources),
+    }
+
+
+def ctranslate2_rate(model, sources, pieces, cfg, dev: str) -> dict:
+    translator = decode_bench.ctranslate2_translator(model, pieces, dev)
+    go = lambda s: decode_bench.run_ctranslate2(translator, s, pieces, cfg, "ct2-beam", True)
+    return rate(go, sources, warm_up=True)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def gpu_tests(run: Run) -> Result:
+    if importlib.util.find_spec("pytest") is None:
+        raise Skipped("pytest is not installed")
+    xml = run.work / "gpu-tests.xml"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if run.device.type != "cuda":  # the report's device only
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    # A test module that cannot be imported here is counted as an error, not the end.
+    cmd += ["--continue-on-collection-errors", f"--junitxml={xml}", run.plan.tests]
+    timeout = max(45.0, run.left())  # the last section: it may outlast the budget a little
+    try:
+        done = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"pytest did not finish in {timeout:.0f} s") from None
+    if done.returncode in (2, 3, 4):  # interrupted, internal error, usage error: no results
+        raise RuntimeError(f"pytest exit code {done.returncode}: {done.stdout[-500:]}")
+    cases = junit_cases(xml) if xml.is_file() else []
+    counts = Counter(c["outcome"] for c in cases)
+    summary = {k: counts.get(k, 0) for k in ("passed", "failed", "error", "skipped")}
+    notes = [f"{shlex.join(['python', *cmd[1:-2], run.plan.tests])}: exit code {done.returncode}"]
+    if done.returncode == 1:  # some test failed, or some module could not be collected
+        notes.append("output tail: " + (done.stdout + done.stderr)[-1500:])
+    return Result({"counts": [summary], "tests": cases}, notes)
+
+
+def junit_cases(xml: Path) -> list[dict]:
+    cases = []
+    for case in ET.parse(xml).iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = "failed" if tag == "failure" else tag
+                message = (found.get("message") or "").strip().split("\n")[0][:200]
+                break
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        cases.append({"test": name, "outcome": outcome, "message": message})
+    return cases
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def targets(run: Run, sections: dict) -> list[dict]:
+    """The project's targets beside what this run measured."""
+    gpu_why = gpu_judgement(run)
+    cpu_why = "--tiny sizes" if run.plan is TINY_PLAN else None
+    loop = lambda cfg: find(sections, "train loop", config=cfg)
+    beam = lambda cfg, dev, search: find(sections, "decode", config=cfg, device=dev, search=search)
+    base_beam = beam("base", "cuda", "beam 4, ours")
+    cpu = run.plan.cpu_config
+    ours_cpu, ct2_cpu = beam(cpu, "cpu", "beam 4, ours"), beam(cpu, "cpu", "beam 4, CTranslate2")
+    step = cpu_step_rows(sections, cpu)
+    return [
+        target(
+            "base training, target tokens/s (one H100, the real loop)",
+            get(loop("base"), "tgt tok/s"),
+            550_000,
+            gpu_why,
+        ),
+        target(
+            "big training, target tokens/s (one H100, the real loop)",
+            get(loop("big"), "tgt tok/s"),
+            250_000,
+            gpu_why,
+        ),
+        target(
+            "beam-4 base, sentences/s (one H100, WMT-like lengths)",
+            get(base_beam, "sent/s"),
+            1500,
+            gpu_why,
+        ),
+        target(
+            f"CPU beam 4: ours / CTranslate2 sentences/s ({cpu} model)",
+            ratio(ours_cpu, ct2_cpu, "sent/s"),
+            0.8,
+            cpu_why,
+        ),
+        target(
+            f"CPU training step: ours / torch.nn.Transformer tokens/s ({cpu} model)",
+            ratio(step.get("ours"), step.get("torch.nn.Transformer"), "tgt_tok/s"),
+            1.2,
+            cpu_why,
+        ),
+    ]
+
+
+def gpu_judgement(run: Run) -> str | None:
+    """Why the one-H100 targets are not judged in this run, or None."""
+    if run.plan is TINY_PLAN:
+        return "--tiny sizes"
+    if run.device.type != "cuda":
+        return "not on a GPU"
+    name = torch.cuda.get_device_name(run.device)
+    return None if "H100" in name else f"the targets are for one H100, this is {name}"
+
+
+def cpu_step_rows(sections: dict, cfg: str) -> dict[str, dict]:
+    """The CPU training-step rows of `cfg` at its largest micro-batch, by model."""
+    rows = [
+        r for r in table(sections, "train step") if r["config"] == cfg and r.get("device") == "cpu"
+    ]
+    largest = max((r["max_tok"] for r in rows), default=None)
+    return {r["model"]: r for r in rows if r["max_tok"] == largest}
+
+
+def table(sections: dict, title: str) -> list[dict]:
+    return sections.get(title, {}).get("tables", {}).get("", [])
+
+
+def find(sections: dict, title: str, **match) -> dict | None:
+    return next(
+        (r for r in table(sections, title) if all(r.get(k) == v for k, v in match.items())), None
+    )
+
+
+def get(row: dict | None, key: str) -> float | None:
+    return None if row is None else row.get(key)
+
+
+def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    x, y = get(a, key), get(b, key)
+    return None if x is None or y is None else x / y
+
+
+def target(name: str, value: float | None, threshold: float, why_not: str | None) -> dict:
+    if value is None:
+        result = "not measured (see its section)"
+    elif why_not:
+        result = f"not judged: {why_not}"
+    else:
+        result = "pass" if value >= threshold else "FAIL"
+    return {"target": name, "at least": threshold, "measured": value, "result": result}
+
+
+# --------------------------------------------------------------------------- the run
+
+SECTIONS = {
+    "environment": environment,
+    "train step": train_step,
+    "train loop": train_loop,
+    "decode": decode,
+    "bf16 vs fp32": precision,
+    "checkpoint": checkpoint,
+    "gpu tests": gpu_tests,
+}
+
+
+def run_section(fn: Callable[[Run], Result], run: Run) -> dict:
+    if run.left() <= 0:
+        return {
+            "status": f"skipped: the time budget (--budget {run.budget:.0f} s) is spent",
+            "seconds": 0.0,
+        }
+    start, trace = time.perf_counter(), None
+    try:
+        result, status = fn(run), "ok"
+    except Skipped as why:
+        result, status = Result(), f"skipped: {why}"
+    except Exception as err:  # the other sections still run: a 9-minute report is not lost
+        result, status = Result(), f"failed: {type(err).__name__}: {first_line(err)[:300]}"
+        trace = traceback.format_exc()
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out = {"status": status, "seconds": time.perf_counter() - start, **asdict(result)}
+    return {**out, "traceback": trace} if trace else out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    plan = TINY_PLAN if args.tiny else GPU if device.type == "cuda" else CPU
+    if args.tiny:  # toy models gain nothing from threads, and spin-waits cost on a busy box
+        torch.set_num_threads(1)
+    out = args.out or default_folder(device, args.tiny)
+    out.mkdir(parents=True, exist_ok=True)
+    warnings.filterwarnings("ignore", module="torch.nn.modules.transformer")  # nested tensors
+    started = datetime.datetime.now().astimezone()
+    with tempfile.TemporaryDirectory(dir=out, prefix=".work-") as work:
+        run = Run(device, plan, Path(work), args.budget, threads=1 if args.tiny else 0)
+        sections = {}
+        for title, fn in SECTIONS.items():
+            sections[title] = run_section(fn, run)
+            print(
+                f"{title}: {sections[title]['status']} ({sections[title]['seconds']:.1f} s)",
+                flush=True,
+            )
+    report = {
+        "command": shlex.join(["python", "benchmarks/gpu_report.py", *argv]),
+        "started": started.isoformat(timespec="seconds"),
+        "wall_s": time.monotonic() - run.start,
+        "device": device_name(device),
+        "plan": plan.name,
+        "targets": targets(run, sections),
+        "sections": sections,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    for t in report["targets"]:
+        print(
+            f"target: {t['target']}: {cell('', t['measured'])} (at least {t['at least']:,}): "
+            f"{t['result']}"
+        )
+    print(out)
+    return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--out", type=Path, help="the report folder (default: benchmarks/results/<date>-<device>)"
+    )
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if cuda else "cpu")
+    p.add_argument("--tiny", action="store_true", help="toy sizes: the code paths, in a minute")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=480.0,
+        help="seconds after which no section starts (default 480: for a run of under 9 minutes)",
+    )
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not cuda:
+        p.error(
+            f"--device cuda: no CUDA device (torch {torch.__version__}, built for CUDA "
+            f"{torch.version.cuda})"
+        )
+    return args
+
+
+def default_folder(device: torch.device, tiny: bool) -> Path:
+    name = device_name(device) if device.type == "cuda" else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    name = f"{datetime.date.today().isoformat()}-{slug}{'-tiny' if tiny else ''}"
+    return HERE / "results" / name
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# GPU report: {report['device']}",
+        "",
+        f"`{report['command']}`, started {report['started']}, {report['wall_s']:.0f} s in "
+        f"all ({report['plan']} sizes).",
+        "",
+        "## Targets",
+        "",
+        *md_table(report["targets"]),
+    ]
+    for title, section in report["sections"].items():
+        lines += ["", f"## {title}", "", f"{section['status']} ({section['seconds']:.1f} s)"]
+        for name, rows in section.get("tables", {}).items():
+            lines += ["", *([f"**{name}**", ""] if name else []), *md_table(rows)]
+        if section.get("notes"):
+            lines += ["", *(f"- {note}" for note in section["notes"])]
+        if section.get("traceback"):
+            lines += ["", "```text", section["traceback"].rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def md_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["(no rows)"]
+    cols = list(dict.fromkeys(k for r in rows for k in r if k != "status"))
+    cols += ["status"] if any("status" in r for r in rows) else []
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(c, r.get(c)) for c in cols) + " |")
+    return lines
+
+
+def cell(col: str, v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else ""
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if "MFU" in col or "difference" in col:
+            return f"{v:.2%}" if "difference" in col else f"{v:.1%}"
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {cell(col, x)}" for k, x in v.items())
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

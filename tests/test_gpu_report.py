@@ -1,0 +1,74 @@
+"""benchmarks/gpu_report.py on toy sizes on the CPU: every section runs its code, so the
+report a GPU machine makes cannot rot between the times one is lent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = [
+    "environment",
+    "train step",
+    "train loop",
+    "decode",
+    "bf16 vs fp32",
+    "checkpoint",
+    "gpu tests",
+]
+
+
+def report(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory) -> tuple[Path, str]:
+    """The report folder of one `--device cpu --tiny` run, and what the run printed."""
+    out = tmp_path_factory.mktemp("gpu_report") / "report"
+    done = report("--device", "cpu", "--tiny", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out, done.stdout
+
+
+def test_the_tiny_cpu_report_writes_every_section(tiny_report):
+    out, printed = tiny_report
+    assert printed.strip().splitlines()[-1] == str(out)  # it names its folder
+    data = json.loads((out / "report.json").read_text())
+    markdown = (out / "report.md").read_text()
+    assert list(data["sections"]) == SECTIONS
+    for title, section in data["sections"].items():
+        # A missing package or device feature is a skip, never a failure of the report.
+        ok = section["status"] == "ok" or section["status"].startswith("skipped: ")
+        assert ok, (title, section.get("traceback") or section["status"])
+        assert f"\n## {title}\n" in markdown
+    assert [t["result"] for t in data["targets"]] == (
+        ["not measured (see its section)"] * 3 + ["not judged: --tiny sizes"] * 2
+    )
+    assert data["command"].endswith(f"--device cpu --tiny --out {out}")  # beside its figures
+    assert not list(out.glob(".work-*"))  # its temporary files are gone
+
+
+def test_each_section_measures_what_it_names(tiny_report):
+    sections = json.loads((tiny_report[0] / "report.json").read_text())["sections"]
+    kinds = {r["call"] for r in sections["environment"]["tables"]["attention backends"]}
+    assert len(kinds) == 4
+    steps = sections["train step"]["tables"][""]
+    assert {"ours", "torch.nn.Transformer"} <= {r["model"] for r in steps}
+    assert all(r["tgt_tok/s"] > 0 for r in steps if "status" not in r)
+    assert sections["train loop"]["tables"][""][0]["tgt tok/s"] > 0
+    assert sections["decode"]["tables"][""][0]["sent/s"] > 0
+    assert sections["checkpoint"]["tables"][""][0]["GB"] > 0
+    assert sections["bf16 vs fp32"]["notes"][0].startswith(("agree", "DISAGREE"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a CUDA device that is absent")
+def test_asking_for_an_absent_gpu_is_a_usage_error():
+    done = report("--device", "cuda")
+    assert done.returncode == 2 and "--device cuda: no CUDA device" in done.stderr
