@@ -196,7 +196,11 @@ def test_an_ensemble_of_a_model_with_itself_translates_as_the_model(model_file, 
 
 
 def one_line_error(capsys, argv) -> str:
-    assert main(argv) == 2
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse's errors (transformer.cli.ArgumentParser)
+        code = exit.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     return err

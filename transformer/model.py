@@ -1,8 +1,8 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), section by section.
 
 Read top to bottom: positions, attention, feed-forward, the residual wrapper, encoder and
-decoder layers, the model with `encode()` / `decode()`, and the cache for step-by-step
-decoding. Shapes: B batch, S source length, T target length, D d_model, h heads,
+decoder layers, the model with `encode()` / `decode()` (the cache for step-by-step
+decoding is in kv_cache.py). Shapes: B batch, S source length, T target length, D d_model, h heads,
 d_k = D / h, V vocabulary. Padding masks are boolean with True = pad (as in PyTorch);
 F.scaled_dot_product_attention takes the opposite convention (True = may attend).
 """
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer.config import ModelConfig
+from transformer.kv_cache import KVCache, SelfAttentionKV
 
 
 def sinusoidal(pos: Tensor, d_model: int) -> Tensor:
@@ -63,7 +64,9 @@ class MultiHeadAttention(nn.Module):
         y = y.unflatten(2, (-1, x.size(1))).permute(0, 2, 3, 1, 4)  # (B', g, T, h, d_k)
         return self.out_proj(y.reshape(x.shape))  # heads concatenated: (B, T, D)
 
-    def _project(self, x: Tensor, memory: Tensor | None, cache):
+    def _project(
+        self, x: Tensor, memory: Tensor | None, cache: SelfAttentionKV | dict[str, Tensor] | None
+    ):
         if memory is None:
             q, k, v = self._heads(self.in_proj(x))  # 3 x (B, h, T, d_k)
             if cache is not None:  # the earlier positions' keys and values are cached
@@ -224,9 +227,9 @@ class Transformer(nn.Module):
         # source row serves g consecutive target rows (beam search's hypotheses).
         offset = 0 if cache is None else cache.length
         x = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, offset)  # (B, T, D)
-        caches = (
-            [(None, None)] * len(self.decoder) if cache is None else cache.layers(tgt_in, memory)
-        )
+        caches = [(None, None)] * len(self.decoder)
+        if cache is not None:  # the new positions take their slots in the cache
+            caches = cache.layers(tgt_in, memory)
         for layer, (self_cache, cross_cache) in zip(self.decoder, caches, strict=True):
             x = layer(x, memory, src_padding, self_cache, cross_cache)
         x = self.dec_norm(x)
@@ -240,126 +243,3 @@ class Transformer(nn.Module):
     def new_cache(self, max_len: int = 0) -> KVCache:
         """An empty cache with room for `max_len` target positions (it grows past them)."""
         return KVCache(self.cfg.n_layers, max_len)
-
-
-class KVCache:
-    """Keys and values of every decoder layer, so that each `decode()` computes only its new
-    positions. The g target rows that share a source row (beam search's hypotheses of one
-    sentence) share a row of the cache:
-    - encoder-decoder attention: (B', h, S, d_k) per layer, from the memory on the first
-      `decode()`;
-    - self-attention: (B', 2, h, slots, d_k) per layer (`SelfAttentionKV`), preallocated
-      for `max_len` positions. Each decode() appends its T positions' slots, position by
-      position, g per position (row j's at j), and they stay there. A row attends to the
-      slots of its own past, which `visible` (B, slots) marks, so reordering the rows moves
-      only these marks; keys and values move only when sentences leave the batch, and when
-      the slots no row sees any more are dropped (once they are half the slots).
-    """
-
-    def __init__(self, n_layers: int, max_len: int):
-        self.max_len, self.length, self.group = max_len, 0, 1
-        self.filled = self.compacted = 0  # slots in use; in use after the last compaction
-        self.self_attn = [SelfAttentionKV(self) for _ in range(n_layers)]
-        self.cross_attn: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
-        self.visible: Tensor | None = None  # (B, slots), True = in the row's past
-        self.mask: Tensor | None = None  # this decode()'s (B', 1, g * T, slots)
-
-    def layers(self, tgt_in: Tensor, memory: Tensor) -> list[tuple[SelfAttentionKV, dict]]:
-        """Give the T new positions of tgt_in (B, T) their slots, in every row's past."""
-        (b, t), g, dev = tgt_in.shape, tgt_in.size(0) // memory.size(0), tgt_in.device
-        start, self.group = self.filled, g
-        self.length, self.filled = self.length + t, self.filled + t * g
-        room = self.filled + max(self.max_len - self.length, 0) * g  # slots up to max_len
-        if self.visible is None:
-            self.visible = torch.zeros(b, room, dtype=torch.bool, device=dev)
-        elif room > self.visible.size(1):  # past max_len, or more rows a group: grow
-            self.visible = F.pad(self.visible, (0, max(room, 2 * start) - self.visible.size(1)))
-        new = start + torch.arange(0, t * g, g, device=dev)  # (T,) row 0's new slots
-        self.visible.scatter_(1, new + torch.arange(b, device=dev)[:, None] % g, True)
-        seen = self.visible[:, None, : self.filled]  # (B, 1, slots)
-        if t > 1:  # a new position sees no later one
-            seen = seen & (
-                torch.arange(self.filled, device=dev) < new[:, None] + g
-            )  # (B, T, slots)
-        self.mask = seen.reshape(b // g, 1, g * t, -1)
-        if g == 1 and t == 1:  # a row alone in its group sees every slot
-            self.mask = None
-        return list(zip(self.self_attn, self.cross_attn, strict=True))
-
-    def reorder(self, rows: Tensor, sources: Tensor | None = None) -> None:
-        """Keep target rows `rows` (B,), in that order: beam search expands, reorders and
-        drops hypotheses with it. A row may only take the place of a row of its own group
-        (rows[i] // g == sources[i // g]). Source rows `sources` (B',): when sentences leave
-        the batch, the keys and values keep only theirs."""
-        self.visible = self.visible[rows]
-        if sources is not None:
-            for kv in self.self_attn:
-                kv.keep(sources)
-            for entry in self.cross_attn:
-                for name, t in entry.items():
-                    entry[name] = t.index_select(0, sources)
-        if self.group > 1 and self.filled >= max(2 * self.compacted, 16 * self.group):
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop the slots that no row sees (hypotheses that beam search dropped). A sentence
-        keeps its used slots in their order, and as many as the one that uses most."""
-        g = self.group
-        used = self.visible[:, : self.filled].unflatten(0, (-1, g)).any(1)  # (B', slots)
-        n = int(used.sum(1).max())  # the one host sync, once in a while
-        keep = used.char().argsort(dim=1, descending=True, stable=True)[:, :n]  # (B', n)
-        visible = self.visible.gather(1, keep.repeat_interleave(g, 0))
-        self.visible = F.pad(visible, (0, self.visible.size(1) - n))
-        for kv in self.self_attn:
-            kv.compact(keep)
-        self.filled = self.compacted = n
-
-
-class SelfAttentionKV:
-    """One layer's self-attention keys and values, (B', 2, h, slots, d_k), in the slots that
-    its KVCache assigns. Dropping rows or slots copies into a spare buffer, which then
-    takes over: after the first time, into memory already mapped (fresh memory costs a
-    page fault per 4 KB the first time it is written)."""
-
-    def __init__(self, cache: KVCache):
-        self.cache = cache
-        self.kv: Tensor | None = None
-        self.spare: Tensor | None = None
-
-    @property
-    def mask(self) -> Tensor:
-        return self.cache.mask
-
-    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new positions' k, v (B, h, T, d_k); return those of all filled slots."""
-        c, (b, h, t, d_k) = self.cache, k.shape
-        if self.kv is None or self.kv.size(3) < c.visible.size(1):
-            self._grow(k.new_empty(b // c.group, 2, h, c.visible.size(1), d_k))
-        new = self.kv[:, :, :, c.filled - t * c.group : c.filled].unflatten(3, (t, c.group))
-        for i, x in enumerate((k, v)):  # (B, h, T, d_k) -> (B', h, T, g, d_k)
-            new[:, i] = x.unflatten(0, (-1, c.group)).permute(0, 2, 3, 1, 4)
-        return self.kv[:, 0, :, : c.filled], self.kv[:, 1, :, : c.filled]  # (B', h, slots, d_k)
-
-    def _grow(self, kv: Tensor) -> None:
-        if self.kv is not None:
-            kv[:, :, :, : self.kv.size(3)] = self.kv
-        self.kv, self.spare = kv, None
-
-    def keep(self, sources: Tensor) -> None:
-        """Keep source rows `sources` (B',)."""
-        old, filled = self._swap(sources.size(0)), self.cache.filled
-        torch.index_select(old[:, :, :, :filled], 0, sources, out=self.kv[:, :, :, :filled])
-
-    def compact(self, slots: Tensor) -> None:
-        """Keep slots `slots` (B', n) of each row, in that order."""
-        (b, _, h, _, d_k), n = self.kv.shape, slots.size(1)
-        old, index = self._swap(b), slots[:, None, None, :, None].expand(b, 2, h, n, d_k)
-        torch.gather(old, 3, index, out=self.kv[:, :, :, :n])
-
-    def _swap(self, b: int) -> Tensor:
-        """Make b rows of the spare buffer the keys and values; return the old ones."""
-        old, spare = self.kv, self.spare
-        if spare is None or spare.size(0) < b:
-            spare = old.new_empty(b, *old.shape[1:])
-        self.kv, self.spare = spare[:b], old
-        return old

@@ -28,7 +28,7 @@ members' next-token probabilities, as fairseq and Marian do.
 
 How it stays fast: the encoder output and the encoder-decoder keys and values stay one row
 per sentence, shared by its hypotheses, and the self-attention keys and values never move
-as hypotheses are reordered (model.KVCache); each step asks the host one question, which
+as hypotheses are reordered (kv_cache.KVCache); each step asks the host one question, which
 sentences are done; the finished n-best stay on the device, and the tokens of a hypothesis
 are traced back through each step's parents once, at the end.
 """
@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer.attention import attention_context
 from transformer.vocab import BOS, EOS, PAD
 
 
@@ -110,6 +111,7 @@ class _Decoder:
 def _inference(device: torch.device):
     stack = contextlib.ExitStack()
     stack.enter_context(torch.inference_mode())
+    stack.enter_context(attention_context(device))  # no cuDNN plan per new key length
     if device.type == "cuda":
         stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
     return stack
@@ -178,10 +180,11 @@ def greedy_search(
 
 
 class _Beams:
-    """The live sentences' beams: for each, its k live hypotheses' sum of log p, and its
-    best finished ones, best first, as (score, logprob, step, row) in float64 rows: the
-    step it ended at and its row in that step's batch, from which `_History` traces its
-    tokens. Finished hypotheses stay on the device; `final` holds those of done sentences."""
+    """The live sentences' beams: for each, its live hypotheses' sum of log p (BOS alone
+    at first, then k hypotheses), and its best finished ones, best first, as (score,
+    logprob, step, row) in float64 rows: the step it ended at and its row in that step's
+    batch, from which `_History` traces its tokens. Finished hypotheses stay on the
+    device; `final` holds those of done sentences."""
 
     def __init__(self, limit: Tensor, k: int, n_best: int, alpha: float):
         n, dev = limit.size(0), limit.device
@@ -189,7 +192,7 @@ class _Beams:
         self.sent = torch.arange(n, device=dev)  # the batch index of each live sentence
         self.limit = limit  # (N,) most output tokens
         self.best_lp = length_penalty(limit.double() + 1, alpha).float()  # longest output's
-        self.scores = torch.zeros(n, 1, device=dev)  # (N, beams) sum of log p, live ones
+        self.scores = torch.zeros(n, 1, device=dev)  # (N, beams): BOS's, log 1
         self.kept = torch.full((n, n_best, 4), float("-inf"), dtype=torch.float64, device=dev)
         self.final = self.kept.clone()
 

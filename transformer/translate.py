@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_model_file
+from transformer.cli import ArgumentParser
 from transformer.config import DecodeConfig, Params, params_from_dict
 from transformer.model import Transformer
 from transformer.search import Hypothesis, beam_search
@@ -212,16 +213,11 @@ OPTIONS = {
 
 
 class _UsageError(ValueError):
-    """A wrong option: one line, exit code 2 (argparse would print its usage first)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise _UsageError(message)
+    """An option or path that is wrong: one line, exit code 2."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(
+    p = ArgumentParser(
         prog="python -m transformer.translate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -299,8 +295,11 @@ def _open(args: argparse.Namespace, files: contextlib.ExitStack) -> tuple[Binary
 
 
 def _opened(files: contextlib.ExitStack, path: str, mode: str, option: str) -> BinaryIO:
+    # Output unbuffered: each batch is written whole anyway, and a buffer left to flush at
+    # close would raise a full disk's error after ours, naming no file.
+    buffering = 0 if mode == "wb" else -1
     try:
-        return files.enter_context(open(path, mode))
+        return files.enter_context(open(path, mode, buffering=buffering))
     except OSError as err:
         raise _UsageError(f"{option} {path}: {err.strerror}") from None
 
@@ -360,23 +359,31 @@ def _translate(models, sp, cfg, args, device, source: BinaryIO, out: BinaryIO) -
                 None if line.strip() else _format(first + i, [], sp, nbest)
                 for i, line in enumerate(lines)
             ]
-            written = _write_ready(out, blocks, 0)  # leading empty lines
+            written = _write_ready(out, blocks, 0, args.output)  # leading empty lines
             k = args.nbest or 1
             for rows, hyps in translate_batches(models, sp, lines, cfg, device, k, args.batch_size):
                 for i, found in zip(rows, hyps, strict=True):
                     blocks[i] = _format(first + i, found, sp, nbest)
-                written = _write_ready(out, blocks, written)
+                written = _write_ready(out, blocks, written, args.output)
                 bar.update(len(rows))
             first += len(lines)
 
 
-def _write_ready(out: BinaryIO, blocks: list[bytes | None], written: int) -> int:
+def _write_ready(out: BinaryIO, blocks: list[bytes | None], written: int, name: str) -> int:
     """Write blocks[written:] up to the first one not ready; return how many are written."""
-    while written < len(blocks) and blocks[written] is not None:
-        out.write(blocks[written])
-        written += 1
-    out.flush()
-    return written
+    ready = written
+    while ready < len(blocks) and blocks[ready] is not None:
+        ready += 1
+    data = memoryview(b"".join(blocks[written:ready]))
+    try:
+        while data:  # an unbuffered file may take a write in parts
+            data = data[out.write(data) :]
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as err:  # a full disk names no file by itself
+        raise _UsageError(f"--output {name}: {err.strerror or err}") from None
+    return ready
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl-C ends an interactive session
+        return 130
     except (CheckpointError, OSError, ValueError) as err:
         # One line: torch's unpickling errors run to paragraphs; the first names the cause.
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)

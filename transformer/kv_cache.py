@@ -1,0 +1,142 @@
+"""The decoder's key/value cache for step-by-step decoding (transformer.search): each
+`decode()` computes only its new positions, and beam search reorders hypotheses by moving
+small masks, not keys and values.
+
+Shapes: B target rows (hypotheses), B' source rows (sentences), g = B / B' rows per
+sentence, h heads, S source length, d_k = D / h.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class KVCache:
+    """Keys and values of every decoder layer, so that each `decode()` computes only its new
+    positions. The g target rows that share a source row (beam search's hypotheses of one
+    sentence) share a row of the cache:
+    - encoder-decoder attention: (B', h, S, d_k) per layer, from the memory on the first
+      `decode()`;
+    - self-attention: (B', 2, h, slots, d_k) per layer (`SelfAttentionKV`), preallocated
+      for `max_len` positions. Each decode() appends its T positions' slots, position by
+      position, g per position (row j's at j), and they stay there. A row attends to the
+      slots of its own past, which `visible` (B, slots) marks, so reordering the rows moves
+      only these marks; keys and values move only when sentences leave the batch, and when
+      the slots that no row sees any more are dropped (each time the slots have doubled).
+    """
+
+    def __init__(self, n_layers: int, max_len: int):
+        self.max_len, self.length, self.group = max_len, 0, 1
+        self.filled = self.compacted = 0  # slots in use; in use after the last compaction
+        self.self_attn = [SelfAttentionKV(self) for _ in range(n_layers)]
+        self.cross_attn: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
+        self.visible: Tensor | None = None  # (B, slots), True = in the row's past
+        self.mask: Tensor | None = None  # this decode()'s (B', 1, g * T, slots)
+
+    def layers(self, tgt_in: Tensor, memory: Tensor) -> list[tuple[SelfAttentionKV, dict]]:
+        """Give the T new positions of tgt_in (B, T) their slots, in their rows' past, and
+        set this decode()'s self-attention mask."""
+        (b, t), g, dev = tgt_in.shape, tgt_in.size(0) // memory.size(0), tgt_in.device
+        start, self.group = self.filled, g
+        self.length, self.filled = self.length + t, self.filled + t * g
+        self._reserve(b, self.filled + max(self.max_len - self.length, 0) * g, dev)
+        new = start + torch.arange(0, t * g, g, device=dev)  # (T,) the group's first row's
+        self.visible.scatter_(1, new + torch.arange(b, device=dev)[:, None] % g, True)
+        seen = self.visible[:, None, : self.filled]  # (B, 1, slots)
+        if t > 1:  # a new position sees no later one
+            later = torch.arange(self.filled, device=dev) >= new[:, None] + g  # (T, slots)
+            seen = seen & ~later  # (B, T, slots)
+        # No mask when each row is alone in its group: it sees all the group's slots.
+        self.mask = None if g == t == 1 else seen.reshape(b // g, 1, g * t, -1)
+        return list(zip(self.self_attn, self.cross_attn, strict=True))
+
+    def _reserve(self, b: int, slots: int, device: torch.device) -> None:
+        """Room in `visible` (and so in the keys and values) for `slots` slots: those up to
+        max_len, or, past it, twice as many as before."""
+        if self.visible is None:
+            self.visible = torch.zeros(b, slots, dtype=torch.bool, device=device)
+        elif slots > self.visible.size(1):
+            room = max(slots, 2 * self.visible.size(1))
+            self.visible = F.pad(self.visible, (0, room - self.visible.size(1)))
+
+    def reorder(self, rows: Tensor, sources: Tensor | None = None) -> None:
+        """Keep target rows `rows` (B,), in that order: beam search expands, reorders and
+        drops hypotheses with it. A row may only take the place of a row of its own group
+        (rows[i] // g == sources[i // g]). Source rows `sources` (B',): when sentences leave
+        the batch, the keys and values keep only theirs."""
+        self.visible = self.visible[rows]
+        if sources is not None:
+            for kv in self.self_attn:
+                kv.keep(sources)
+            for entry in self.cross_attn:
+                for name, t in entry.items():
+                    entry[name] = t.index_select(0, sources)
+        # Compaction costs a host sync and a copy: once 16 positions are in, then each time
+        # the slots have doubled since.
+        if self.group > 1 and self.filled >= max(2 * self.compacted, 16 * self.group):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the slots that no row sees (hypotheses that beam search dropped). A sentence
+        keeps its used slots in their order, and as many as the one that uses most."""
+        g = self.group
+        used = self.visible[:, : self.filled].unflatten(0, (-1, g)).any(1)  # (B', slots)
+        n = int(used.sum(1).max())  # the one host sync, once in a while
+        keep = used.char().argsort(dim=1, descending=True, stable=True)[:, :n]  # (B', n)
+        visible = self.visible.gather(1, keep.repeat_interleave(g, 0))
+        self.visible = F.pad(visible, (0, self.visible.size(1) - n))
+        for kv in self.self_attn:
+            kv.compact(keep)
+        self.filled = self.compacted = n
+
+
+class SelfAttentionKV:
+    """One layer's self-attention keys and values, (B', 2, h, slots, d_k), in the slots that
+    its KVCache assigns. Dropping rows or slots copies into a spare buffer, which then
+    takes over: after the first time, into memory already mapped (fresh memory costs a
+    page fault per 4 KB the first time it is written)."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.kv: Tensor | None = None
+        self.spare: Tensor | None = None
+
+    @property
+    def mask(self) -> Tensor:
+        return self.cache.mask
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new positions' k, v (B, h, T, d_k); return those of all filled slots."""
+        c, (b, h, t, d_k) = self.cache, k.shape
+        if self.kv is None or self.kv.size(3) < c.visible.size(1):
+            self._grow(k.new_empty(b // c.group, 2, h, c.visible.size(1), d_k))
+        new = self.kv[:, :, :, c.filled - t * c.group : c.filled].unflatten(3, (t, c.group))
+        for i, x in enumerate((k, v)):  # (B, h, T, d_k) -> (B', h, T, g, d_k)
+            new[:, i] = x.unflatten(0, (-1, c.group)).permute(0, 2, 3, 1, 4)
+        return self.kv[:, 0, :, : c.filled], self.kv[:, 1, :, : c.filled]  # (B', h, slots, d_k)
+
+    def _grow(self, kv: Tensor) -> None:
+        if self.kv is not None:
+            kv[:, :, :, : self.kv.size(3)] = self.kv
+        self.kv, self.spare = kv, None
+
+    def keep(self, sources: Tensor) -> None:
+        """Keep source rows `sources` (B',)."""
+        old, filled = self._swap(sources.size(0)), self.cache.filled
+        torch.index_select(old[:, :, :, :filled], 0, sources, out=self.kv[:, :, :, :filled])
+
+    def compact(self, slots: Tensor) -> None:
+        """Keep slots `slots` (B', n) of each row, in that order."""
+        (b, _, h, _, d_k), n = self.kv.shape, slots.size(1)
+        old, index = self._swap(b), slots[:, None, None, :, None].expand(b, 2, h, n, d_k)
+        torch.gather(old, 3, index, out=self.kv[:, :, :, :n])
+
+    def _swap(self, b: int) -> Tensor:
+        """Make b rows of the spare buffer the keys and values; return the old ones."""
+        old, spare = self.kv, self.spare
+        if spare is None or spare.size(0) < b:
+            spare = old.new_empty(b, *old.shape[1:])
+        self.kv, self.spare = spare[:b], old
+        return old
