@@ -72,8 +72,12 @@ def deployments(specs: dict[str, dict], work_dir: str, names: list[str]):
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m flows.deploy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
-    parser.add_argument("--file", type=Path, default=ROOT / "prefect.yaml",
-                        help="the deployments file (default: the repository's prefect.yaml)")
+    parser.add_argument(
+        "--file",
+        type=Path,
+        default=ROOT / "prefect.yaml",
+        help="the deployments file (default: the repository's prefect.yaml)",
+    )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="serve these deployments")
     args = parser.parse_args(argv)  # fmt: skip
     try:

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import fcntl
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,10 @@ import logging
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
+from prefect.states import Failed
 
+from flows.local_api import local_api
 from tasks.publish import publish, summary_lines
 from tasks.runner import USER_ERROR, run_stage, user_failure
 from tasks.settings import experiment_name, load_run_params, tracking_uri
@@ -91,8 +95,8 @@ def wmt14_ende(
 
 def run_stages(params: str, overrides: list[str], work: Path, refresh: bool):
     opened = open_run(params, overrides, str(work), return_state=True)
-    if opened.name == USER_ERROR:
-        return opened
+    if opened.name == USER_ERROR:  # a state of its own: a task's would count as "1 failed"
+        return Failed(name=USER_ERROR, message=opened.message)
     run = opened.result()
     records: dict[str, dict] = {}
     try:
@@ -103,7 +107,7 @@ def run_stages(params: str, overrides: list[str], work: Path, refresh: bool):
             )
             if state.name == USER_ERROR:
                 mark_failed(run)
-                return state
+                return Failed(name=USER_ERROR, message=state.message)
             records[stage.name] = state.result()
         summary = publish(run, records)
     except BaseException:
@@ -140,8 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as err:
         print(f"error: {err}".replace("\n", "; "), file=sys.stderr)
         return 2
-    state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,
-                       return_state=True)  # fmt: skip
+    api = local_api() if not os.environ.get("PREFECT_API_URL") else contextlib.nullcontext()
+    try:
+        with api:
+            state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,
+                               return_state=True)  # fmt: skip
+    except (TerminationSignal, KeyboardInterrupt) as err:
+        signum = signal.SIGTERM if isinstance(err, TerminationSignal) else signal.SIGINT
+        print(f"error: stopped by {signum.name}; training saved what it had: rerun the same "
+              "command to resume", file=sys.stderr)  # fmt: skip
+        return 128 + signum
     if state.name == USER_ERROR:
         print(f"error: {state.message}", file=sys.stderr)
         return 2

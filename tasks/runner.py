@@ -54,13 +54,12 @@ def run_stage(name: str, run: dict, upstream: dict[str, dict], refresh: bool):
     """`run`: the pipeline run (params_file, work_dir, uri, run_id); `upstream`: the
     records of the stages this one reads. Returns this stage's record (Cached if reused),
     or a Failed state with a one-line message for a user error."""
-    stage = BY_NAME[name]
-    params = load_run_params(run["params_file"])
-    inputs = {n: upstream[n]["fingerprint"] for n in stage.inputs}
-    key = stage_key(stage, params, inputs)
-    out = Path(run["work_dir"]) / stage.name / key
-    log = get_run_logger()
+    stage, log = BY_NAME[name], get_run_logger()
     try:
+        params = load_run_params(run["params_file"])
+        inputs = {n: upstream[n]["fingerprint"] for n in stage.inputs}
+        key = stage_key(stage, params, inputs)  # reads the inputs from outside: may fail
+        out = Path(run["work_dir"]) / stage.name / key
         with folder_lock(out, log):
             record = None if refresh else read_record(out, stage, key)
             if record and (stage.satisfied is None or stage.satisfied(params, record)):
@@ -141,12 +140,8 @@ def read_record(out: Path, stage: Stage, key: str) -> dict | None:
         return None
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        ok = (
-            record["format"] == RECORD_FORMAT
-            and record["stage"] == stage.name
-            and record["key"] == key
-            and Path(record["path"]) == out
-        )
+        ok = record["format"] == RECORD_FORMAT and record["stage"] == stage.name
+        ok = ok and record["key"] == key
         files = record["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise RecordError(f"{path}: not a stage record ({err}); delete {out} to rebuild") from None
@@ -160,7 +155,7 @@ def read_record(out: Path, stage: Stage, key: str) -> dict | None:
                 f"{out / name}: {found}, its stage record says {size} bytes; "
                 f"delete {out} to rebuild"
             )
-    return record
+    return {**record, "path": str(out)}  # where it is now: a work dir can be moved
 
 
 def _listing(out: Path) -> dict[str, int]:

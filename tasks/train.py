@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -78,7 +79,11 @@ def command(params_file: Path, shards: Path, out: Path, nproc: int) -> list[str]
 def launch(
     params_file: Path, shards: Path, out: Path, tracking: dict, nproc: int, timeout_s
 ) -> None:
-    """Run the trainer to completion, streaming its output; raise with its tail on failure."""
+    """Run the trainer to completion, following its log; raise with its tail on failure.
+
+    The trainer writes straight into the run folder's train.log, not into a pipe to this
+    process: if this process dies, the trainer still has somewhere to write while it saves
+    (a pipe would break under it), and it stops on its own (--die-with-parent)."""
     log = get_run_logger()
     cmd = command(params_file, shards, out, nproc)
     # The trainer finds the pipeline's MLflow run through the environment (rank 0 logs).
@@ -89,21 +94,24 @@ def launch(
     tail: collections.deque[str] = collections.deque(maxlen=40)
     timed_out = threading.Event()
     # The trainer stays in our process group, so a signal to the group reaches it too.
-    with (
-        open(out / TRAIN_LOG, "a", buffering=1) as logfile,
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, bufsize=1) as proc,
-    ):  # fmt: skip
+    with open(out / TRAIN_LOG, "ab") as logfile, open(out / TRAIN_LOG, encoding="utf-8") as reader:
+        reader.seek(logfile.tell())
+        proc = subprocess.Popen(cmd, env=env, stdout=logfile, stderr=subprocess.STDOUT)
         # A timer, not a check per line: a hung rank prints nothing.
         watchdog = threading.Timer(timeout_s or 0, stop, args=(proc, timed_out))
         if timeout_s:
             watchdog.start()
         try:
-            for line in proc.stdout:
-                logfile.write(line)
-                tail.append(line.rstrip())
-                log.info(line.rstrip())
-            code = proc.wait()
+            while True:
+                line = reader.readline()
+                if line:
+                    tail.append(line.rstrip())
+                    log.info(line.rstrip())
+                elif proc.poll() is not None:
+                    break
+                else:
+                    time.sleep(0.2)
+            code = proc.returncode
         except BaseException:  # the task itself was interrupted: leave no trainer behind
             stop(proc)
             raise

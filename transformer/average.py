@@ -72,9 +72,9 @@ def export_average(
 def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Path:
     """Average model snapshots `paths` into a model file (see checkpoint.ModelFile);
     params and data fingerprint are those of the last (newest) one."""
+    infos = [load_typed(p, SNAPSHOT_FORMAT, mmap=True) for p in paths]  # the inputs first
     if not Path(spm_model).is_file():
         raise CheckpointError(f"{spm_model}: no sentencepiece model to export with the model")
-    infos = [load_typed(p, SNAPSHOT_FORMAT, mmap=True) for p in paths]
     newest = infos[-1]
     meta = {
         "averaged_from": [Path(p).name for p in paths],

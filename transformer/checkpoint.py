@@ -255,8 +255,8 @@ class CheckpointManager:
                 log.warning("skipping %s: %s; trying the one before", path.name, err)
         if paths:
             raise CheckpointError(
-                f"{self.run_dir / CHECKPOINTS}: none of the {len(paths)} training states is "
-                "readable (see the warnings); move them away, or start over with --reset"
+                f"{paths[-1]}: unreadable, as the {len(paths) - 1} training state(s) before it "
+                "(see the warnings): move them away, or start over with --reset"
             )
         return None
 

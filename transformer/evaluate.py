@@ -143,8 +143,11 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     """One sentence per line, split on "\\n" only (as sacreBLEU reads files); gzip allowed."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-        return [line.rstrip("\r\n") for line in f]
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+            return [line.rstrip("\r\n") for line in f]
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,6 +125,32 @@ def setup_logging(is_main: bool, timestamps: bool = True) -> None:
     log.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
+class Progress:
+    """How far a long data stage is: a bar on a terminal; elsewhere (a pipeline's log, a
+    pipe) a line at every tenth of the way, so a slow machine shows progress, not a hang."""
+
+    def __init__(self, what: str, total: int, unit: str, log: logging.Logger):
+        self.what, self.total, self.unit, self.log = what, total, unit, log
+        self.done, self.start = 0, time.monotonic()
+        self.next_tenth = 1
+        self.bar = tqdm(total=total, desc=what, unit=unit, file=sys.stderr,
+                        disable=not sys.stderr.isatty(), leave=False)  # fmt: skip
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.bar.disable and self.total and self.done * 10 >= self.next_tenth * self.total:
+            self.next_tenth = self.done * 10 // self.total + 1
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / self.done * (self.total - self.done)
+            self.log.info("%s: %s/%s %s (%d%%), eta %s", self.what, f"{self.done:,}",
+                          f"{self.total:,}", self.unit, 100 * self.done // self.total,
+                          format_duration(eta))  # fmt: skip
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class TrainMeter:
     """Sums over the updates since the last log; `metrics()` reads and resets them.
 

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def learn_vocab(train_parquet: Path, cfg: VocabConfig, out_dir: Path) -> Path:
         cfg.model_type,
         len(indices),
     )
+    start = time.monotonic()
     model = _train(sampled_sentences(train_parquet, indices), cfg)
     with atomic_dir(out_dir) as tmp:
         (tmp / SPM_MODEL).write_bytes(model)
@@ -65,6 +67,7 @@ def learn_vocab(train_parquet: Path, cfg: VocabConfig, out_dir: Path) -> Path:
             "spm_model_sha256": file_sha256(tmp / SPM_MODEL),
         }
         (tmp / VOCAB_REPORT).write_text(json.dumps(meta, indent=2) + "\n")
+    log.info("learned %d pieces in %.0f s", meta["size"], time.monotonic() - start)
     return out_dir / SPM_MODEL
 
 

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 from transformer.config import CleanConfig
 from transformer.data import ROLES, DataError
 from transformer.data.sources import SCHEMA, read_batches
-from transformer.files import CLEAN_REPORT, atomic_dir
+from transformer.files import CLEAN_REPORT, PREPARE_REPORT, atomic_dir
+from transformer.metrics import Progress
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ def clean_corpus(in_dir: Path, cfg: CleanConfig, out_dir: Path) -> dict:
             if role == "train" and counts["kept"] == 0:
                 dropped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "read")
                 raise DataError(
-                    f"{source}: all {counts['read']} training pairs were dropped ({dropped}): "
-                    "check the data, or clean.*"
+                    f"{_origin(in_dir)}: all {counts['read']} training pairs were dropped "
+                    f"({dropped}): check the data, or clean.*"
                 )
             report[role] = counts
             log.info("cleaned %s: %s", role, ", ".join(f"{k} {v}" for k, v in counts.items()))
@@ -64,11 +65,23 @@ def clean_corpus(in_dir: Path, cfg: CleanConfig, out_dir: Path) -> dict:
     return report
 
 
+def _origin(in_dir: Path) -> str:
+    """Where the prepared training data came from, for messages (prepare.json says)."""
+    try:
+        report = json.loads((in_dir / PREPARE_REPORT).read_text())
+        return f"{report['source']['path']} (split {report['splits']['train']!r})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(in_dir / "train.parquet")
+
+
 def _clean_file(source: Path, dest: Path, cfg: CleanConfig | None) -> dict[str, int]:
     counts = Counter(dict.fromkeys(COUNTS, 0))
     seen = SeenHashes() if cfg is not None and cfg.dedup else None
     with pq.ParquetWriter(dest, SCHEMA) as writer:
+        progress = Progress(f"cleaning {source.stem}", pq.ParquetFile(source).metadata.num_rows,
+                            "pairs", log)  # fmt: skip
         for batch in read_batches(source):
+            progress.update(batch.num_rows)
             src = pc.utf8_trim_whitespace(batch.column("src").cast(pa.string()))
             tgt = pc.utf8_trim_whitespace(batch.column("tgt").cast(pa.string()))
             counts["read"] += len(src)
@@ -77,6 +90,7 @@ def _clean_file(source: Path, dest: Path, cfg: CleanConfig | None) -> dict[str, 
                 src, tgt = src.filter(keep), tgt.filter(keep)
             counts["kept"] += len(src)
             writer.write_batch(pa.RecordBatch.from_arrays([src, tgt], schema=SCHEMA))
+        progress.close()
     return dict(counts)
 
 

@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 from transformer.config import ShardConfig, fingerprint, identity, to_dict
 from transformer.data import ROLES, DataError
 from transformer.files import MANIFEST, SPM_MODEL, atomic_dir, atomic_write, file_sha256
+from transformer.metrics import Progress
 from transformer.vocab import SPECIAL_IDS, load_spm
 
 log = logging.getLogger(__name__)
@@ -256,9 +257,13 @@ def _read_chunks(path: Path) -> Iterator[Chunk]:
 
 def _shard_role(parquet: Path, encode: Encode, role_dir: Path, limit: int) -> dict:
     writer = _RoleWriter(role_dir, limit)
+    rows = pq.ParquetFile(parquet).metadata.num_rows
+    progress = Progress(f"encoding {role_dir.name}", rows, "pairs", log)
     for encoded in encode(_read_chunks(parquet)):
         for bucket, batch in encoded.items():
             writer.add(bucket, batch)
+        progress.update(sum(batch.num_rows for batch in encoded.values()))
+    progress.close()
     writer.close()
     summary = _role_summary(writer.files, pq.ParquetFile(parquet).metadata.num_rows, parquet)
     log.info(

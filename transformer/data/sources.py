@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 65_536  # pairs per record batch: large enough for vectorised ops, small in RAM
 SCHEMA = pa.schema([("src", pa.string()), ("tgt", pa.string())])
+PROGRESS_ROWS = 1_000_000  # a log line per million pairs read
 HUB_ATTEMPTS = 3
 HUB_BACKOFF_S = 10.0  # doubled after each failed attempt
 OFFLINE_HINT = (
@@ -138,6 +139,8 @@ def write_pairs(batches: Iterable[pa.RecordBatch], path: Path) -> int:
     with pq.ParquetWriter(path, SCHEMA) as writer:
         for batch in batches:
             writer.write_batch(batch)
+            if (rows + batch.num_rows) // PROGRESS_ROWS > rows // PROGRESS_ROWS:  # a big corpus
+                log.info("%s: %s pairs so far", path.stem, f"{rows + batch.num_rows:,}")
             rows += batch.num_rows
     return rows
 

@@ -1,0 +1,64 @@
+"""The command line's own Prefect API, when no server is configured (PREFECT_API_URL).
+
+Prefect's temporary API runs in the caller's process group: a scheduler that stops a job
+signals the whole group, the API dies first, and the flow then retries it for minutes
+before it can report how it ended. This one runs `prefect server start` (API only, loopback)
+in a session of its own, so it outlives the signal long enough to hear the flow's last
+word, and Linux stops it when the command that started it dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+START_TIMEOUT_S = 180  # a busy 2-core machine takes ~15 s
+
+
+@contextlib.contextmanager
+def local_api() -> Iterator[str]:
+    """Yield the URL of a private API (Prefect's API URL setting points at it meanwhile)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+           "--port", str(port), "--no-services", "--no-ui", "--analytics-off"]  # fmt: skip
+    server = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait_healthy(server, url)
+    except BaseException:
+        os.killpg(server.pid, signal.SIGKILL)
+        raise
+    # No stop at the end of the block: Prefect sends its last logs and events while this
+    # process exits, and the server stops when it is gone (PR_SET_PDEATHSIG).
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
+
+
+def _wait_healthy(server: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"prefect server exited: {server.stderr.read().decode()[-2000:]}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"prefect server on {url} not ready after {START_TIMEOUT_S} s")
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":  # PR_SET_PDEATHSIG: SIGTERM when the flow's process dies
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)

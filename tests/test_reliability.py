@@ -1,0 +1,219 @@
+"""The flow under stress, as processes: signals, two flows at once, tampered work dirs,
+kills at random moments. Every run here is the real `python -m flows.wmt14_ende` on the
+shipped smoke corpus, with a training short enough for CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from transformer.checkpoint import list_files, load_model_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "params" / "smoke.yaml")
+TINY = [
+    "train.max_steps=40",
+    "train.warmup_steps=20",
+    "train.save_every=5",
+    "train.valid_every=20",
+    "train.log_every=10",
+    "train.keep_last=3",
+    "average.last_n=2",
+    "decode.beam_size=2",
+    "decode.max_len_b=10",
+    "export.formats=[]",
+]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+MARKER = Path("/tmp/transformer-mt-tampered-marker")
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def flow(work: Path, *extra: str, **popen) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "flows.wmt14_ende", SMOKE, *TINY, *extra, "--work-dir", str(work)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = 900) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def run_dir(work: Path) -> Path:
+    return next(p for p in (work / "train").iterdir() if not p.name.startswith("."))
+
+
+def wait_for(ready, seconds: float, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert proc.poll() is None, f"the flow ended before {what}: {proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {seconds} s"
+        time.sleep(0.2)
+
+
+def parent_runs(work: Path) -> list:
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("wmt14-ende")
+    return client.search_runs([exp.experiment_id], filter_string="tags.stage = 'pipeline'")
+
+
+def children(work: Path, run_id: str) -> list:
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("wmt14-ende")
+    return client.search_runs([exp.experiment_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{run_id}'")  # fmt: skip
+
+
+def test_sigterm_saves_training_and_every_process_exits_within_30_s(tmp_path):
+    work = tmp_path / "work"
+    proc = flow(work)
+    wait_for(lambda: any(work.glob("train/*/checkpoints/state-*")), 600, proc, "a checkpoint")
+    os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler stops a job: the whole group
+    stopped = time.monotonic()
+    code, out = finish(proc, timeout=60)
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), out[-3000:]  # Prefect re-raises it
+    while not _group_gone(proc.pid):  # the trainer too, once it has saved
+        assert time.monotonic() - stopped < 30, "a process of the flow outlived it by 30 s"
+        time.sleep(0.2)
+    log = (run_dir(work) / "train.log").read_text()
+    assert "stopped by SIGTERM" in log and "checkpoint saved" in log, log[-2000:]
+    saved = max(int(p.stem.split("-")[1]) for p in run_dir(work).glob("checkpoints/state-*"))
+    code, out = finish(flow(work))
+    assert code == 0, out[-3000:]
+    assert f"at step {saved}" in (run_dir(work) / "train.log").read_text()  # resumed there
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_two_flows_on_a_new_work_dir_do_the_work_once(tmp_path):
+    work = tmp_path / "work"
+    first, second = flow(work), flow(work)
+    (code1, out1), (code2, out2) = finish(first), finish(second)
+    assert code1 == 0, out1[-3000:]
+    assert code2 == 0, out2[-3000:]
+    runs = parent_runs(work)
+    assert len(runs) == 1  # the same params: one MLflow run
+    stages = [c.data.tags["stage"] for c in children(work, runs[0].info.run_id)]
+    assert sorted(stages) == sorted(set(stages)), stages  # each stage ran once
+    assert "waiting for another flow" in out1 + out2
+
+
+class Marker:
+    """Unpickles to a shell command: whatever runs it has executed code from the disk."""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("tamper") / "work"
+    code, out = finish(flow(work))
+    assert code == 0, out[-3000:]
+    return work
+
+
+def _stage(work: Path, name: str) -> Path:
+    return next(p for p in (work / name).iterdir() if not p.name.startswith("."))
+
+
+def _forget(work: Path, *stages: str) -> None:
+    """Make the flow run these stages again (their records gone)."""
+    for name in stages:
+        (_stage(work, name) / "stage.json").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("victim", ["record", "manifest", "shard", "state", "model", "params"])
+def test_a_tampered_work_dir_runs_no_code_and_names_the_file(finished, victim, tmp_path):
+    """Each file the pipeline reads back, tampered with: the rerun fails in one line that
+    names it (or, for the resolved params, which are written afresh, ignores it) and no
+    code from the work dir ever runs."""
+    work = tmp_path / "work"
+    subprocess.run(["cp", "-a", str(finished), str(work)], check=True)
+    MARKER.unlink(missing_ok=True)
+    if victim == "record":  # a stage's record: data, here not even JSON
+        path = _stage(work, "clean") / "stage.json"
+        path.write_bytes(pickle.dumps(Marker()))
+    elif victim == "manifest":  # another checksum: training must not use these shards
+        manifest_path = _stage(work, "shards") / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        entry = manifest["roles"]["train"]["files"][0]
+        entry["sha256"] = "0" * 64  # the same size: the stage record cannot tell
+        manifest_path.write_text(json.dumps(manifest, indent=1))
+        path = _stage(work, "shards") / entry["path"]
+        _forget(work, "train")
+    elif victim == "shard":  # one flipped byte in a shard
+        path = next((_stage(work, "shards") / "train").glob("*.arrow"))
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        _forget(work, "train")
+    elif victim == "state":  # every training state: a pickle that would run a command
+        for path in list_files(_stage(work, "train"), "state"):
+            torch.save({"format": "transformer-mt/state/1", "x": Marker()}, path)
+        _forget(work, "train")
+    elif victim == "model":
+        path = _stage(work, "average") / "model.pt"
+        torch.save({"format": "transformer-mt/model/1", "model": Marker()}, path)
+        _forget(work, "decode")
+    else:  # the resolved params: written afresh by every run, never read from before
+        path = next((work / "runs").glob("*/params.yaml"))
+        path.write_text(f"!!python/object/apply:os.system ['touch {MARKER}']\n")
+    code, out = finish(flow(work))
+    assert not MARKER.exists(), "code from the work dir ran"
+    if victim == "params":
+        assert code == 0, out[-3000:]
+        return
+    assert code == 2, out[-3000:]
+    error = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and str(path) in error[0], out[-3000:]
+
+
+@pytest.mark.slow
+def test_ten_kills_at_random_moments_each_end_like_an_uninterrupted_run(tmp_path):
+    """Seeded random moments, from Prefect's start to the last stage: after each kill of
+    the whole flow (SIGKILL, no warning), a rerun completes with bitwise the same averaged
+    weights as an uninterrupted run, and one MLflow parent run."""
+    straight = tmp_path / "straight"
+    start = time.monotonic()
+    code, out = finish(flow(straight))
+    assert code == 0, out[-3000:]
+    duration = time.monotonic() - start
+    reference = load_model_file(next((straight / "average").glob("*/model.pt"))).model
+    rng = random.Random(13)
+    report = []
+    for kill in range(10):
+        work = tmp_path / f"kill{kill}"
+        moment = rng.uniform(3.0, duration * 0.95)
+        proc = flow(work)
+        try:
+            proc.wait(timeout=moment)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        code, out = finish(flow(work))
+        assert code == 0, out[-3000:]
+        averaged = load_model_file(next((work / "average").glob("*/model.pt"))).model
+        same = all(torch.equal(reference[k], averaged[k]) for k in reference)
+        runs = parent_runs(work)
+        report.append((round(moment, 1), same, len(runs)))
+        assert same and len(runs) == 1, report
+    print("kills (seconds after start, same weights, MLflow parent runs):", report)
