@@ -100,7 +100,7 @@ STAGES: tuple[Stage, ...] = (
           lambda r: decode_and_score(r.inputs["average"] / MODEL, r.inputs["clean"],
                                      r.params.data, r.params.decode, r.params.score,
                                      r.out, r.device),
-          artifacts=(SCORES, hypotheses("valid"), hypotheses("test")),
+          artifacts=(SCORES, hypotheses("valid"), hypotheses("test"), "attention"),
           external=lambda p: reference_fingerprints(p.score, p.data)),
     Stage("export", ("export",), ("average",),
           lambda r: export_formats(r.inputs["average"] / MODEL, r.params.export, r.out),

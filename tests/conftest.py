@@ -80,6 +80,8 @@ def tiny_shards(tiny_corpus, tiny_spm, tmp_path_factory) -> Path:
 TINY_PARAMS = """\
     data:
       source: {path: unused-by-training}
+      src_lang: en
+      tgt_lang: de
     vocab: {size: 100}
     model: {n_layers: 1, d_model: 32, d_ff: 64, n_heads: 2, dropout: 0.1}
     train:

@@ -37,6 +37,8 @@ def data_config(path: Path, fmt: str = "text", **extra) -> DataConfig:
     return DataConfig.model_validate(
         {
             "source": {"path": str(path), "format": fmt},
+            "src_lang": "en",
+            "tgt_lang": "de",
             "splits": {"train": "train", "valid": "valid", "test": "test"},
             **extra,
         }
@@ -131,7 +133,9 @@ def test_hub_path_with_a_local_stand_in(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(sources_module, "HUB_BACKOFF_S", 0.0)
     hub = {"hub": "wmt/wmt14", "config": "de-en", "revision": "abc123"}
-    cfg = DataConfig.model_validate({"source": hub, "splits": {"valid": "valid"}})
+    cfg = DataConfig.model_validate(
+        {"source": hub, "src_lang": "en", "tgt_lang": "de", "splits": {"valid": "valid"}}
+    )
     out = tmp_path / "out"
     manifest = prepare_source(cfg, out)
     assert_prepared(out, manifest)
@@ -313,6 +317,8 @@ def test_multi30k_counts(tmp_path):
     cfg = DataConfig.model_validate(
         {
             "source": {"path": str(MULTI30K), "format": "text"},
+            "src_lang": "en",
+            "tgt_lang": "de",
             "splits": {"train": "train", "valid": "val", "test": "test_2016_flickr"},
         }
     )

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from sacrebleu.metrics import BLEU
 
 from transformer.config import ScoreConfig
@@ -109,3 +110,28 @@ def test_command_line_prints_json(files, capsys):
     hyp, ref = files
     assert main([str(hyp), str(ref)]) == 0
     assert json.loads(capsys.readouterr().out)["bleu"] == pytest.approx(score(HYPS, REFS)["bleu"])
+
+
+def test_attention_maps_are_the_models_own_weights(tmp_path):
+    """Recomputed from the module's projections, the weights are what SDPA used: applied to
+    the values they give the attention's output (before W^O)."""
+    from transformer.attention_maps import attention_weights, plot_attention
+    from transformer.config import ModelConfig
+    from transformer.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(n_layers=2, d_model=16, d_ff=32, n_heads=4), 30).eval()
+    src, tgt = [5, 6, 7, 3], [8, 9, 3]
+    weights = attention_weights(model, src, tgt)
+    assert set(weights) == {"encoder.0", "encoder.1", "cross.0", "cross.1"}
+    assert weights["encoder.0"].shape == (4, 4, 4) and weights["cross.1"].shape == (4, 3, 4)
+    for w in weights.values():
+        torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:2]))
+    layer = model.encoder[0].self_attn
+    x = model._embed(torch.tensor([src]), model.src_embed, None, 0)
+    q, k, v = layer._project(x, None, None)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)[0]  # (h, S, d_k)
+    torch.testing.assert_close(weights["encoder.0"] @ v[0], expected, rtol=1e-5, atol=1e-6)
+    paths = plot_attention(weights, list("abcd"), list("xyz"), tmp_path)
+    assert sorted(p.name for p in paths) == ["cross-1.png", "cross-2.png", "encoder-1.png",
+                                             "encoder-2.png"]  # fmt: skip

@@ -122,6 +122,9 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
     assert all(c.info.status == "FINISHED" for c in stages.values())
     system = [k for k in stages["train"].data.metrics if k.startswith("system/")]
     assert system, "system metrics were not recorded for training"
+    drawn = {a.path for a in client.list_artifacts(stages["decode"].info.run_id,
+                                                   "attention/sentence-1")}  # fmt: skip
+    assert {"attention/sentence-1/encoder-1.png", "attention/sentence-1/cross-2.png"} <= drawn
     exported = {a.path for a in client.list_artifacts(stages["export"].info.run_id, "ctranslate2")}
     assert {"ctranslate2/model.bin", "ctranslate2/export.json"} <= exported
 

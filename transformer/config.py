@@ -96,8 +96,8 @@ class CleanConfig(Section):
 
 class DataConfig(Section):
     source: SourceConfig
-    src_lang: str = "en"
-    tgt_lang: str = "de"
+    src_lang: str  # language codes as the source spells them (and sacremoses knows them)
+    tgt_lang: str
     splits: SplitsConfig = SplitsConfig()
     # Mismatched line counts are always an error; a bad line (invalid UTF-8) either stops
     # the run, naming the file and the line, or is dropped and counted.

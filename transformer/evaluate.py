@@ -38,6 +38,7 @@ from transformer.files import SCORES, atomic_dir, file_sha256, hypotheses
 # "a ##AT##-##AT## b-c" in both: the script's quirk is kept, to stay comparable.
 _COMPOUND = re.compile(r"(\S)-(\S)")
 _UNSMOOTHED = {"tokenize": "none", "smooth_method": "none", "force": True}
+ATTENTION_SENTENCES = 2  # test sentences whose attention maps the decode stage draws
 
 
 def score(hyps: list[str], refs: list[str], lowercase: bool = False) -> dict:
@@ -122,7 +123,9 @@ def decode_and_score(
     device: str,
 ) -> dict:
     """Translate the valid and test splits of the cleaned corpus with beam search, score
-    them against the raw references; write `{role}.hyp` and scores.json atomically."""
+    them against the raw references; write `{role}.hyp`, scores.json and the attention maps
+    of the first test sentences (attention/sentence-N/) atomically."""
+    from transformer.attention_maps import draw_sentence
     from transformer.translate import load_translator, translate_lines
 
     model, sp, _ = load_translator(model_path, device)
@@ -135,6 +138,9 @@ def decode_and_score(
             hyps = translate_lines(model, sp, sources, decode_cfg, device)
             (tmp / hypotheses(role)).write_text("".join(h + "\n" for h in hyps), "utf-8")
             scores[role] = score_split(hyps, refs, score_cfg, data.tgt_lang, refs_tok)
+        shown = [i for i, line in enumerate(sources) if line.strip()][:ATTENTION_SENTENCES]
+        for i in shown:  # the test split's first sentences: the same ones run after run
+            draw_sentence(model, sp, sources[i], hyps[i], tmp / "attention" / f"sentence-{i + 1}")
         (tmp / SCORES).write_text(json.dumps(scores, indent=2))
     return scores
 
