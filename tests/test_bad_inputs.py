@@ -207,7 +207,15 @@ def test_library_commands(name, command, args, culprit, env, capsys):  # fmt: sk
     _check(code, capsys.readouterr().err, _fill([culprit], env)[0], before, digest(guarded))
 
 
-@pytest.mark.parametrize(("name", "cmd", "culprit"), PROCESSES, ids=[c[0] for c in PROCESSES])
+# Each of these runs the flow up to a data stage (~12 s): the slow suite takes them.
+SLOW_PROCESSES = {"flow: source is a file", "flow: line counts differ", "flow: truncated gzip",
+                  "flow: no training text", "flow: work dir is a file"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "cmd", "culprit"), [
+    pytest.param(*case, id=case[0], marks=[pytest.mark.slow] if case[0] in SLOW_PROCESSES else [])
+    for case in PROCESSES
+])  # fmt: skip
 def test_commands_as_processes(name, cmd, culprit, env):
     guarded = [env["run"], env["model"]]
     before = digest(guarded)

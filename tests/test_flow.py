@@ -233,6 +233,7 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
     assert children == {"train", "average", "decode", "export"}
 
 
+@pytest.mark.slow  # and ten kills at random moments in test_reliability.py
 def test_a_run_killed_in_training_resumes_and_completes(first, work):
     overrides = [*TINY, "train.max_steps=80"]  # the same training folder, extended
     cmd = [sys.executable, "-m", "flows.wmt14_ende", SMOKE, *overrides, "--work-dir", str(work)]

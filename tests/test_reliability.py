@@ -103,6 +103,7 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_two_flows_on_a_new_work_dir_do_the_work_once(tmp_path):
     work = tmp_path / "work"
     first, second = flow(work), flow(work)
@@ -141,7 +142,10 @@ def _forget(work: Path, *stages: str) -> None:
         (_stage(work, name) / "stage.json").unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("victim", ["record", "manifest", "shard", "state", "model", "params"])
+@pytest.mark.parametrize("victim", [
+    "record", "model",  # ~15 s each: the default suite; the slow one tampers with the rest
+    *(pytest.param(v, marks=pytest.mark.slow) for v in ["manifest", "shard", "state", "params"]),
+])  # fmt: skip
 def test_a_tampered_work_dir_runs_no_code_and_names_the_file(finished, victim, tmp_path):
     """Each file the pipeline reads back, tampered with: the rerun fails in one line that
     names it (or, for the resolved params, which are written afresh, ignores it) and no
