@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # no display on servers and CI
 import matplotlib.pyplot as plt
@@ -29,8 +30,20 @@ def history(client: MlflowClient, run_id: str, key: str) -> tuple[list[int], lis
     return steps, [by_step[s] for s in steps]
 
 
+def add_epoch_axis(ax, steps: list[int], epochs: list[float]) -> None:
+    """An epoch scale on top (the step-to-epoch relation the run recorded), if any."""
+    if len(steps) < 2:
+        return
+    top = ax.secondary_xaxis(
+        "top",
+        functions=(lambda x: np.interp(x, steps, epochs), lambda e: np.interp(e, epochs, steps)),
+    )
+    top.set_xlabel("epoch")
+
+
 def plot_training_curve(client: MlflowClient, run_id: str, out: Path) -> Path:
-    """Loss (train and valid), lr and, when recorded, valid BLEU against the step."""
+    """Loss (train and valid), lr and, when recorded, valid BLEU against the step (and the
+    epoch, on top)."""
     curves = {k: history(client, run_id, k) for _, keys in PANELS for k in keys}
     panels = [(title, keys) for title, keys in PANELS if any(curves[k][0] for k in keys)]
     fig, _axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 3.6))
@@ -43,6 +56,7 @@ def plot_training_curve(client: MlflowClient, run_id: str, out: Path) -> Path:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
+        add_epoch_axis(ax, *history(client, run_id, "train/epoch"))
     run_name = client.get_run(run_id).info.run_name
     fig.suptitle(f"{run_name} ({run_id[:8]})")
     fig.tight_layout()

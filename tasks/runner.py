@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import time
@@ -36,6 +37,19 @@ from transformer.vocab import VocabError
 
 RECORD_FORMAT = "transformer-mt/stage/1"
 USER_ERROR = "UserError"  # the name of a Failed state whose message is the whole story
+
+
+class _NoEmptyTraceback(logging.Filter):
+    """Prefect logs a task that returns a Failed state with exc_info=True and no exception
+    active, which prints "NoneType: None" under the error line: drop the empty traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is None:
+            record.exc_info = None
+        return True
+
+
+logging.getLogger("prefect.task_runs").addFilter(_NoEmptyTraceback())
 
 
 class RecordError(RuntimeError):

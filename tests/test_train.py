@@ -114,6 +114,7 @@ def test_trains_logs_and_keeps_the_last_checkpoints(tiny_run, tiny_shards):
         "train/grad_norm",
         "train/step_time",
         "train/tokens_per_update",
+        "train/epoch",
         "valid/loss",
         "valid/ppl",
         "valid/bleu",
@@ -122,6 +123,8 @@ def test_trains_logs_and_keeps_the_last_checkpoints(tiny_run, tiny_shards):
     assert expected <= logger.keys()
     assert [s for s, m in logger.records if "train/loss" in m] == [2, 4, 6, 8]
     assert [s for s, m in logger.records if "valid/loss" in m] == [4, 8]
+    epochs = [m["train/epoch"] for _, m in logger.records if "train/epoch" in m]
+    assert 0 < epochs[0] < epochs[-1] and epochs == sorted(epochs)  # fractional, growing
     assert logger.closed
     valid = [m for _, m in logger.records if "valid/loss" in m]
     assert valid[-1]["valid/loss"] < valid[0]["valid/loss"]  # it learns

@@ -297,7 +297,8 @@ class Trainer:
         cfg, step = self.cfg, self.progress.step
         last = step == cfg.max_steps
         if step % cfg.log_every == 0 or last:
-            logger.log(meter.metrics(lr, self.progress.bad_steps_total), step)
+            metrics = meter.metrics(lr, self.progress.bad_steps_total)
+            logger.log({**metrics, "train/epoch": self.loader.epochs_done}, step)
         improved, score = False, None
         if step % cfg.valid_every == 0 or last:
             metrics = validate(self.model, self.valid, self.sp, self.params, self.env,

@@ -362,6 +362,11 @@ class BatchLoader:
     def state_dict(self) -> dict:
         return dict(self._state)
 
+    @property
+    def epochs_done(self) -> float:
+        """Epochs of this rank's batches consumed so far (fractional)."""
+        return self._state["consumed"] / max(self.sampler.batches_per_rank, 1)
+
     def load_state_dict(self, state: dict) -> None:
         self.close()
         self.sampler.load_state_dict(state)
