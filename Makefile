@@ -12,7 +12,7 @@ PARAMS ?= params/smoke.yaml
 WORK   ?= work
 DEMO_ARGS ?=
 
-.PHONY: setup lock demo test test-all lint bench gpu-report clean
+.PHONY: setup lock demo test test-all lint bench gpu-report gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -53,7 +53,20 @@ bench: setup
 # On a GPU machine whose CUDA PyTorch is already installed (an NGC container): no setup, no
 # torch reinstall; the machine's python. Writes benchmarks/results/<date>-<gpu>/report.{md,json}.
 gpu-report:
+	test ! -d $(WHEELS) || $(PYTHON) -m pip install -q --no-index --no-deps $(WHEELS)/*.whl
 	$(PYTHON) benchmarks/gpu_report.py $(GPU_REPORT_ARGS)
+
+# What such an image lacks (pydantic; CTranslate2 and sacremoses, the peers), as the
+# lock's versions for its Python, into an ignored folder to carry to a machine with no
+# index: `make gpu-wheels` here, then `make gpu-report` there installs them, --no-deps.
+WHEELS ?= .whl
+GPU_PYTHON ?= 3.12
+GPU_PACKAGES := pydantic pydantic-core annotated-types typing-inspection ctranslate2 sacremoses
+gpu-wheels: setup
+	$(BIN)/python -m pip download -q --no-deps --only-binary :all: -d $(WHEELS) \
+	    --python-version $(GPU_PYTHON) --platform manylinux_2_28_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    $(foreach p,$(GPU_PACKAGES),$(shell grep -m1 -io '^$(p)==[^ ]*' $(LOCK)))
 
 clean:
 	rm -rf $(WORK)

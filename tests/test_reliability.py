@@ -18,6 +18,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from tasks.stages import STAGES
 from transformer.checkpoint import list_files, load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,11 +214,13 @@ def test_ten_kills_at_random_moments_each_end_like_an_uninterrupted_run(tmp_path
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        done = [s.name for s in STAGES if list((work / s.name).glob("*/stage.json"))]
+        killed_in = next((s.name for s in STAGES if s.name not in done), "publish")
         code, out = finish(flow(work))
         assert code == 0, out[-3000:]
         averaged = load_model_file(next((work / "average").glob("*/model.pt"))).model
         same = all(torch.equal(reference[k], averaged[k]) for k in reference)
         runs = parent_runs(work)
-        report.append((round(moment, 1), same, len(runs)))
+        report.append((round(moment, 1), killed_in, same, len(runs)))
         assert same and len(runs) == 1, report
-    print("kills (seconds after start, same weights, MLflow parent runs):", report)
+    print("kills (seconds after start, stage, same weights, MLflow parent runs):", report)
