@@ -9,6 +9,7 @@ continues the run, and a killed run loses at most `train.save_every` steps.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import subprocess
@@ -106,7 +107,7 @@ def launch(
                 line = reader.readline()
                 if line:
                     tail.append(line.rstrip())
-                    log.info(line.rstrip())
+                    forward(log, line.rstrip())
                 elif proc.poll() is not None:
                     break
                 else:
@@ -125,6 +126,16 @@ def launch(
         last = "\n".join(tail)
         raise TrainingFailed(f"the trainer exited with {code}; last lines of "
                              f"{out / TRAIN_LOG}:\n{last}", user_error=code > 128)  # fmt: skip
+
+
+def forward(log, line: str) -> None:
+    """A trainer line at its own level, its level word dropped (Prefect prints one); the
+    console's step lines and torchrun's lines as they are, at INFO."""
+    level, _, message = line.partition(" ")
+    if level in ("INFO", "WARNING", "ERROR") and message:
+        log.log(getattr(logging, level), message)
+    else:
+        log.info(line)
 
 
 def stop(proc: subprocess.Popen, timed_out: threading.Event | None = None) -> None:

@@ -4,6 +4,7 @@ real torchrun, with a shortened training so the whole file takes a few minutes."
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -399,3 +400,18 @@ def _wait(ready, seconds: float, what: str, logs=lambda: "") -> None:
             return
         time.sleep(1)
     raise AssertionError(f"{what} not ready after {seconds} s\n{logs()}")
+
+
+def test_trainer_lines_reach_the_pipeline_log_at_their_own_level(caplog):
+    from tasks.train import forward
+
+    log = logging.getLogger("test.forward")
+    with caplog.at_level(logging.INFO, logger="test.forward"):
+        forward(log, "INFO resumed from state-0000040.pt at step 40")
+        forward(log, "WARNING stopped by SIGTERM at step 60, checkpoint saved")
+        forward(log, "step 60/80 (75%) | loss 2.1 | lr 1e-3 | 5,000 tok/s | eta 4s")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "resumed from state-0000040.pt at step 40"),
+        ("WARNING", "stopped by SIGTERM at step 60, checkpoint saved"),
+        ("INFO", "step 60/80 (75%) | loss 2.1 | lr 1e-3 | 5,000 tok/s | eta 4s"),
+    ]
