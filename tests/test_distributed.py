@@ -3,6 +3,7 @@ process accumulating the same two micro-batches."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,3 +84,33 @@ def _losses(out: str) -> list[float]:
         for line in out.splitlines()
         if line.startswith("step ")
     ]
+
+
+SHARED_BLEU = """\
+import json
+from transformer.distributed import init_distributed, shutdown
+from transformer.validate import shared_bleu
+
+env = init_distributed()
+# Rank 0 decodes its sentences perfectly, rank 1 its own badly: only the whole scores.
+pairs = [(0, "a cat sits on the red mat", "a cat sits on the red mat")] if env.rank == 0 else [
+    (1, "dogs", "two dogs run across a green field")]
+print(json.dumps({"rank": env.rank, "bleu": shared_bleu(pairs, env)}))
+shutdown()
+"""
+
+
+def test_validation_bleu_is_the_same_number_on_every_rank(tmp_path):
+    """Early stopping on BLEU runs on every rank: a rank that saw another score would stop
+    alone and leave the others waiting in a collective (it did: rank 1 saw 0.0, stopped
+    after `patience` validations, and the run died of a closed connection)."""
+    script = tmp_path / "shared_bleu.py"
+    script.write_text(SHARED_BLEU)
+    torchrun = [sys.executable, "-m", "tasks.torchrun", "--nnodes", "1", "--nproc_per_node",
+                "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]  # fmt: skip
+    done = subprocess.run([*torchrun, str(script)], env={**ENV, "PYTHONPATH": str(ROOT)},
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    scores = {r["rank"]: r["bleu"] for r in map(json.loads, done.stdout.splitlines())}
+    assert set(scores) == {0, 1}
+    assert scores[0] == scores[1] > 0

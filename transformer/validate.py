@@ -3,7 +3,8 @@ decoding, and early stopping on the chosen metric.
 
 valid/loss is the NLL per target token without label smoothing (natural log), over the
 whole split shared out by rank; valid/ppl = exp(valid/loss), per subword as the paper's
-4.92. valid/bleu is sacreBLEU of greedy (valid_beam 1) or beam decoding, scored on rank 0.
+4.92. valid/bleu is sacreBLEU of greedy (valid_beam 1) or beam decoding, scored on rank 0
+and sent to every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from transformer.config import Params
 from transformer.data.batching import BatchLoader, ShardDataset, TokenBatchSampler
-from transformer.distributed import DistEnv, all_gather_objects, all_reduce_sum
+from transformer.distributed import DistEnv, all_gather_objects, all_reduce_sum, broadcast_object
 from transformer.loss import label_smoothed_loss
 from transformer.model import Transformer
 from transformer.vocab import EOS, PAD
@@ -69,8 +70,8 @@ def valid_batches(valid: ShardDataset, params: Params, env: DistEnv) -> BatchLoa
 
 def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env: DistEnv) -> float:
     """Decode this rank's share (greedy, or beam train.valid_beam), gather, score on rank 0
-    (0.0 elsewhere)."""
-    from transformer.evaluate import score  # sacrebleu: only when asked for
+    and send the score to every rank: each rank's early stopping and checkpoint choice read
+    it, and must decide alike (a rank that stops alone leaves the others in a collective)."""
     from transformer.search import beam_search, greedy_search
 
     d, beam = params.decode, params.train.valid_beam
@@ -84,11 +85,20 @@ def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env:
             hyps = [h[0].tokens if h else [] for h in found]
         refs = [[i for i in row if i not in (PAD, EOS)] for row in batch.tgt_out.tolist()]
         pairs += zip(batch.ids.tolist(), sp.decode(hyps), sp.decode(refs), strict=True)
+    return shared_bleu(pairs, env)
+
+
+def shared_bleu(pairs: list[tuple[int, str, str]], env: DistEnv) -> float:
+    """BLEU of every rank's (id, hypothesis, reference) pairs, in id order: scored on rank 0,
+    the same number returned on every rank."""
+    from transformer.evaluate import score  # sacrebleu: only when asked for
+
     gathered = all_gather_objects(pairs)
-    if not env.is_main:
-        return 0.0
-    ordered = sorted(p for part in gathered for p in part)
-    return float(score([h for _, h, _ in ordered], [r for _, _, r in ordered])["bleu"])
+    bleu = None
+    if env.is_main:
+        ordered = sorted(p for part in gathered for p in part)
+        bleu = float(score([h for _, h, _ in ordered], [r for _, _, r in ordered])["bleu"])
+    return broadcast_object(bleu)
 
 
 class EarlyStopping:
