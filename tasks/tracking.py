@@ -12,11 +12,13 @@ import logging
 import os
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunStatus
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 from mlflow.tracking import MlflowClient
 
 from transformer.config import Params, flatten, params_hash, to_dict
@@ -27,7 +29,28 @@ STAGE_TAG = "stage"
 
 
 def client_for(uri: str) -> MlflowClient:
+    if uri.startswith("sqlite:///"):
+        create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
     return MlflowClient(tracking_uri=uri)
+
+
+def create_sqlite_store(db: Path) -> None:
+    """MLflow makes a new SQLite store by running its schema migrations in place: a flow
+    killed midway left a half-made schema that every later run failed to open. Made aside
+    and linked into place (a link, unlike a rename, never replaces a store another flow
+    made meanwhile), the store exists whole or not at all."""
+    if db.exists():
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    tmp = db.with_name(f".{db.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", tmp.parent.as_uri())  # migrates
+        store.engine.dispose()
+        os.link(tmp, db)
+    except FileExistsError:
+        pass  # another flow's store won the race: use it
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def experiment_id(client: MlflowClient, name: str, uri: str, work_dir: Path) -> str:

@@ -224,3 +224,29 @@ def test_ten_kills_at_random_moments_each_end_like_an_uninterrupted_run(tmp_path
         report.append((round(moment, 1), killed_in, same, len(runs)))
         assert same and len(runs) == 1, report
     print("kills (seconds after start, stage, same weights, MLflow parent runs):", report)
+
+
+def test_a_new_mlflow_store_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A flow killed while MLflow created its SQLite store (migrations run in place) left a
+    half-made schema every later run failed on ("table _alembic_tmp_params already
+    exists", found by the ten-kills test). Now a failed creation leaves no store."""
+    import mlflow.store.db.utils as db_utils
+
+    from tasks.tracking import client_for
+
+    db = tmp_path / "work" / "mlflow.db"
+    real = db_utils._initialize_tables
+
+    def killed_midway(engine):
+        raise KeyboardInterrupt  # as a SIGKILL would, after some of the migrations
+
+    monkeypatch.setattr(db_utils, "_initialize_tables", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        client_for(f"sqlite:///{db}")
+    assert not db.exists() and list(db.parent.iterdir()) == []  # no store, no leftovers
+
+    monkeypatch.setattr(db_utils, "_initialize_tables", real)
+    client = client_for(f"sqlite:///{db}")
+    assert client.create_experiment("e") and db.exists()
+    client_for(f"sqlite:///{db}")  # an existing store is used as it is
+    assert client.get_experiment_by_name("e") is not None
