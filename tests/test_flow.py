@@ -286,17 +286,19 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
     env.pop("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", None)
     smoke = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"][-1]
     assert smoke["name"] == "smoke"
-    due = datetime.now(UTC) + timedelta(seconds=25)
     smoke["parameters"]["overrides"] = TINY  # `first`'s stages: reused, the run is quick
-    smoke["schedules"] = [{"interval": 3600, "anchor_date": due.isoformat()}]
     spec = tmp_path / "prefect.yaml"
-    spec.write_text(yaml.safe_dump({"deployments": [smoke]}))
     prefect = str(Path(sys.executable).parent / "prefect")
     server = _spawn([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                     env, tmp_path / "server.log")  # fmt: skip
     serving = None
     try:
         _wait(lambda: _answers(f"{api}/health"), 120, "prefect server")
+        # Due once the server is up: serving must register the deployment before then (a
+        # due time already past means the next run an interval later), on a busy machine too.
+        due = datetime.now(UTC) + timedelta(seconds=45)
+        smoke["schedules"] = [{"interval": 3600, "anchor_date": due.isoformat()}]
+        spec.write_text(yaml.safe_dump({"deployments": [smoke]}))
         serving = _spawn([sys.executable, "-m", "flows.deploy", "--file", str(spec),
                           "--work-dir", str(work)], env, tmp_path / "serve.log")  # fmt: skip
         _wait(lambda: _api(api, "GET", "deployments/name/wmt14-ende/smoke"), 120, "deployment")
