@@ -86,6 +86,9 @@ class CleanConfig(Section):
     max_len: int = Field(250, ge=1)  # the usual WMT14 recipe (clean-corpus-n.perl)
     max_ratio: float = Field(1.5, gt=1.0)  # longer/shorter side, in tokens
     dedup: bool = False
+    # Lowercase every split, both sides: a lowercased model (as the published Multi30k
+    # systems), scored against lowercased references; translate lowercases its input.
+    lowercase: bool = False
 
     @model_validator(mode="after")
     def _range(self) -> CleanConfig:

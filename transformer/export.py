@@ -153,7 +153,7 @@ def _report(model_path, meta: dict, params, fmt: str, quantization: str | None) 
         "model": params.model.model_dump(),
         "special_ids": SPECIAL_IDS,
         "decode": decode,
-        "decoding_differences": NOTES[fmt],
+        "decoding_differences": NOTES[fmt] + LOWERCASE_NOTE * params.clean.lowercase,
         "versions": {"torch": torch.__version__, library: version(library)},
     }
 
@@ -184,6 +184,11 @@ NOTES = {
         "differ from transformer.translate; greedy outputs (num_beams=1) are ours.",
     ],
 }
+
+LOWERCASE_NOTE = [
+    "Trained on lowercased text (clean.lowercase): lowercase the input before encoding it "
+    "(transformer.translate does); the output is lowercase."
+]
 
 
 class _Weights(dict):

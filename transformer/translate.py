@@ -33,7 +33,7 @@ from transformer.cli import ArgumentParser
 from transformer.config import DecodeConfig, Params, params_from_dict
 from transformer.model import Transformer
 from transformer.search import Hypothesis, beam_search
-from transformer.vocab import EOS, PAD, VocabError, load_spm
+from transformer.vocab import EOS, PAD, Lowercasing, VocabError, load_spm
 
 Models = Transformer | list[Transformer]  # one model, or an ensemble
 
@@ -57,6 +57,8 @@ def load_translator(model_path: str | os.PathLike, device: str | torch.device):
     if mismatch:
         raise CheckpointError(f"{model_path}: weights do not fit its params: {mismatch}")
     model.load_state_dict(mf.model)
+    if params.clean.lowercase:
+        sp = Lowercasing(sp)
     return model.to(device).eval(), sp, params
 
 

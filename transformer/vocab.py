@@ -168,6 +168,23 @@ def load_spm(model: str | os.PathLike | bytes) -> spm.SentencePieceProcessor:
     return processor
 
 
+class Lowercasing:
+    """The sentencepiece processor of a model trained on lowercased text (clean.lowercase):
+    what it encodes is lowercased first, as the clean stage lowercased the training data,
+    so every caller (translate, the MLflow model, the benchmarks) feeds the model the text
+    it was trained on. Everything else is the wrapped processor's."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor):
+        self._processor = processor
+
+    def encode(self, text: str | list[str], **kwargs):
+        lowered = text.lower() if isinstance(text, str) else [line.lower() for line in text]
+        return self._processor.encode(lowered, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._processor, name)
+
+
 def check_special_ids(processor: spm.SentencePieceProcessor, where: str = "model") -> None:
     """Raise VocabError unless pad/unk/bos/eos have the ids that shards and models assume."""
     actual = {

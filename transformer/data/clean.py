@@ -3,7 +3,8 @@
 The filters are those of the usual WMT recipe (Moses' clean-corpus-n.perl: 1..250 tokens
 per side, length ratio 1.5), plus optional deduplication. They run vectorised on record
 batches with pyarrow.compute, so WMT14's 4.5M pairs stream through in bounded memory.
-Tokens are whitespace tokens of the raw (untokenized) text.
+Tokens are whitespace tokens of the raw (untokenized) text. With `clean.lowercase` every
+split is lowercased, both sides, so the vocabulary, the shards and the references agree.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def clean_corpus(in_dir: Path, cfg: CleanConfig, out_dir: Path) -> dict:
             # sets, line for line (newstest2014 has 3,003 lines), so every pair stays, even an
             # empty one (kept as empty strings); they are only stripped of outer whitespace.
             train_cfg = cfg if role == "train" else None
-            counts = _clean_file(source, tmp / f"{role}.parquet", train_cfg)
+            counts = _clean_file(source, tmp / f"{role}.parquet", train_cfg, cfg.lowercase)
             if role == "train" and counts["kept"] == 0:
                 dropped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "read")
                 raise DataError(
@@ -74,7 +75,9 @@ def _origin(in_dir: Path) -> str:
         return str(in_dir / "train.parquet")
 
 
-def _clean_file(source: Path, dest: Path, cfg: CleanConfig | None) -> dict[str, int]:
+def _clean_file(
+    source: Path, dest: Path, cfg: CleanConfig | None, lowercase: bool
+) -> dict[str, int]:
     counts = Counter(dict.fromkeys(COUNTS, 0))
     seen = SeenHashes() if cfg is not None and cfg.dedup else None
     with pq.ParquetWriter(dest, SCHEMA) as writer:
@@ -84,6 +87,8 @@ def _clean_file(source: Path, dest: Path, cfg: CleanConfig | None) -> dict[str, 
             progress.update(batch.num_rows)
             src = pc.utf8_trim_whitespace(batch.column("src").cast(pa.string()))
             tgt = pc.utf8_trim_whitespace(batch.column("tgt").cast(pa.string()))
+            if lowercase:
+                src, tgt = pc.utf8_lower(src), pc.utf8_lower(tgt)
             counts["read"] += len(src)
             if cfg is not None:
                 keep = filter_mask(src, tgt, cfg, seen, counts)
