@@ -99,7 +99,8 @@ def run(model, sources, cfg: DecodeConfig, mode: str, device: str):
         else:
             hyps = beam_search(
                 model, src, cfg.beam_size, cfg.len_penalty, cfg.max_len_a, cfg.max_len_b,
-                cached=mode == "beam",
+                cached=mode != "beam-uncached",
+                early_stop="beam" if mode == "beam-early" else "exact",
             )  # fmt: skip
             outs = [h[0].tokens for h in hyps]
         tokens += sum(len(o) + 1 for o in outs)
@@ -149,11 +150,12 @@ def run_ctranslate2(translator, sources, pieces, cfg: DecodeConfig, mode: str, f
     return time.perf_counter() - start, tokens, outputs
 
 
-MODES = ("beam", "greedy", "beam-uncached", "ct2-beam", "ct2-greedy")
+MODES = ("beam", "beam-early", "greedy", "beam-uncached", "ct2-beam", "ct2-greedy")
 DIFFERENCES = """\
 ct2-*: CTranslate2. Its length penalty divides by len^alpha (len without EOS), ours by GNMT's
   ((5 + len) / 6)^alpha (len with EOS); its beam search ends a sentence once beam_size
-  hypotheses finished, ours once none can still beat the best finished one."""
+  hypotheses finished, as ours with early_stop="beam" (beam-early); ours by default
+  (beam) ends it once none can still beat the best finished one."""
 
 
 def bench_config(name: str, args: argparse.Namespace) -> None:
@@ -221,10 +223,11 @@ def bench(name, model: Transformer, sources, pieces, cfg, args, random_weights: 
 
 def compare(results: dict, n: int, random_weights: bool) -> None:
     """Ours against CTranslate2, mode by mode: speed, and (trained model) equal outputs."""
-    pairs = [(m, f"ct2-{m}") for m in ("beam", "greedy") if {m, f"ct2-{m}"} <= results.keys()]
+    pairs = [("beam", "ct2-beam"), ("beam-early", "ct2-beam"), ("greedy", "ct2-greedy")]
+    pairs = [pair for pair in pairs if set(pair) <= results.keys()]
     for ours, theirs in pairs:
         (ours_s, ours_out), (theirs_s, theirs_out) = results[ours], results[theirs]
-        line = f"ours / ctranslate2 sent/s, {ours}: {theirs_s / ours_s:.2f}"
+        line = f"ours / ctranslate2 sent/s, {ours} / {theirs}: {theirs_s / ours_s:.2f}"
         if not random_weights:
             line += f"; outputs equal to ours: {sum(map(list.__eq__, ours_out, theirs_out))}/{n}"
         print(line)

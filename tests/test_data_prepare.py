@@ -303,6 +303,15 @@ def test_clean_without_dedup_keeps_duplicates(tmp_path):
     assert report["train"]["dropped_duplicate"] == 4
 
 
+def test_clean_lowercase_lowercases_every_split_on_both_sides(tmp_path):
+    src = write_text(tmp_path / "src")
+    prepare_source(data_config(src), tmp_path / "raw")
+    clean_corpus(tmp_path / "raw", CleanConfig(lowercase=True), tmp_path / "clean")
+    for role, pairs in PAIRS.items():
+        lowered = [(s.lower(), t.lower()) for s, t in pairs]
+        assert read_pairs(tmp_path / "clean" / f"{role}.parquet") == lowered
+
+
 def test_clean_missing_input_leaves_no_output(tmp_path):
     with pytest.raises(DataError, match=r"train\.parquet: no such file"):
         clean_corpus(tmp_path / "nothing", CleanConfig(), tmp_path / "clean")

@@ -297,17 +297,18 @@ def benchmark(capsys, monkeypatch, *argv: str) -> str:
 def test_decode_benchmark_compares_with_ctranslate2_on_the_same_inputs(
     smoke_model, capsys, monkeypatch
 ):
-    modes = ["--modes", "beam,ct2-beam,greedy,ct2-greedy"]
+    modes = ["--modes", "beam,beam-early,ct2-beam,greedy,ct2-greedy"]
     out = benchmark(capsys, monkeypatch, "--sentences", "8", *modes)
     source_len = float(out.split("mean source length ")[1].split()[0])
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
-    for mode in ("beam", "ct2-beam", "greedy", "ct2-greedy"):  # random weights: same lengths
+    for mode in ("beam", "beam-early", "ct2-beam", "greedy", "ct2-greedy"):  # same lengths
         assert float(rows[mode][-1]) == pytest.approx(source_len, abs=0.051), out
-    assert "ours / ctranslate2 sent/s, beam: " in out
+    assert "ours / ctranslate2 sent/s, beam / ct2-beam: " in out
+    assert "ours / ctranslate2 sent/s, beam-early / ct2-beam: " in out
 
     out = benchmark(capsys, monkeypatch, "--model", str(smoke_model), "--sentences", "16", *modes)
-    assert "ours / ctranslate2 sent/s, greedy: " in out
-    assert "outputs equal to ours: 16/16" in out.split("greedy: ")[1]
+    assert "ours / ctranslate2 sent/s, greedy / ct2-greedy: " in out
+    assert "outputs equal to ours: 16/16" in out.split("greedy / ct2-greedy: ")[1]
 
 
 def test_the_export_stage_writes_each_configured_format_in_its_folder(smoke_model, tmp_path):

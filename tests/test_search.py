@@ -143,6 +143,28 @@ def test_early_stop_only_when_no_live_hypothesis_can_win():
     assert hyps[0].tokens == [B] * 5
 
 
+# "a" then EOS or "a a" then EOS finish early; "b b b b b" finishes last, and wins at 0.6.
+def early_case(source, prefix):
+    if prefix == ():
+        return probs(6, a=0.5, b=0.45, unk=0.05)
+    if prefix == (A,):
+        return probs(6, eos=0.6, a=0.4)
+    if set(prefix) == {B} and len(prefix) < 5:
+        return probs(6, b=1.0)
+    return probs(6, eos=1.0)
+
+
+def test_early_stop_beam_ends_a_sentence_once_beam_size_hypotheses_finished():
+    model = StubModel(early_case, 6)
+    (exact,) = beam_search(model, batch([7]), 2, 0.6, 0.0, 10)
+    assert exact[0].tokens == [B] * 5 and len(model.rows) > 3
+    # fairseq's rule: "a" and "a a" have finished after step 2, two of a beam of two.
+    model = StubModel(early_case, 6)
+    (early,) = beam_search(model, batch([7]), 2, 0.6, 0.0, 10, n_best=2, early_stop="beam")
+    assert [h.tokens for h in early] == [[A], [A, A]] and len(model.rows) == 3
+    assert early[0].score == pytest.approx(math.log(0.3) / lp(2, 0.6))
+
+
 def always_a(source, prefix):
     return probs(5, a=0.8, eos=0.2)
 

@@ -61,8 +61,9 @@ def train_spm(seed: int = 0) -> bytes:
     return model.getvalue()
 
 
-def write_model_file(path: Path, seed: int = 0, spm_seed: int = 0) -> Path:
-    params = load_params(ROOT / "params/smoke.yaml", ["model.dropout=0.0", "decode.max_len_b=8"])
+def write_model_file(path: Path, seed: int = 0, spm_seed: int = 0, *overrides: str) -> Path:
+    fixed = ["model.dropout=0.0", "decode.max_len_b=8"]
+    params = load_params(ROOT / "params/smoke.yaml", [*fixed, *overrides])
     spm_model = train_spm(spm_seed)
     sp = spm.SentencePieceProcessor(model_proto=spm_model)
     torch.manual_seed(seed)
@@ -100,6 +101,26 @@ def test_translate_lines_keeps_order_and_empty_lines_and_batches_alike(model_fil
     assert alone == out
 
 
+def test_a_lowercased_model_lowercases_its_input_and_others_do_not(model_file, tmp_path):
+    """clean.lowercase trains on lowercased text: translate (and the MLflow model and the
+    decode stage, which load models the same way) lowercase what they feed such a model."""
+    lowered = write_model_file(tmp_path / "lc.pt", 0, 0, "clean.lowercase=true")
+    model, sp, params = load_translator(lowered, "cpu")
+    assert sp.encode("The CAT sat") == sp.encode("the cat sat")
+    assert sp.encode(["The CAT"], add_eos=True) == sp.encode(["the cat"], add_eos=True)
+    cased = ["The CAT sat on the Mat", "A HOUSE"]
+    assert translate_lines(model, sp, cased, params.decode, "cpu") == translate_lines(
+        model, sp, [line.lower() for line in cased], params.decode, "cpu"
+    )
+    src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
+    src.write_text("\n".join(cased) + "\n", encoding="utf-8")
+    assert main(["--model", str(lowered), "--input", str(src), "--output", str(hyp)]) == 0
+    expected = translate_lines(model, sp, [line.lower() for line in cased], params.decode, "cpu")
+    assert hyp.read_text(encoding="utf-8").splitlines() == expected
+    _, plain, _ = load_translator(model_file, "cpu")  # cased: what it is given
+    assert plain.encode("The CAT sat") != plain.encode("the cat sat")
+
+
 def test_beam_one_is_greedy_and_outputs_are_detokenized(model_file):
     model, sp, _ = load_translator(model_file, "cpu")
     cfg = DecodeConfig(beam_size=1, max_len_b=8)
@@ -115,6 +136,16 @@ def test_command_line_file_to_file(model_file, tmp_path):
     model, sp, params = load_translator(model_file, "cpu")
     expected = translate_lines(model, sp, LINES, params.decode, "cpu")
     assert hyp.read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
+
+
+def test_command_line_early_stop_option_sets_the_search_rule(model_file, tmp_path):
+    src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
+    src.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    argv = ["--model", str(model_file), "--input", str(src), "--output", str(hyp)]
+    assert main([*argv, "--early-stop", "beam"]) == 0
+    model, sp, params = load_translator(model_file, "cpu")
+    cfg = params.decode.model_copy(update={"early_stop": "beam"})
+    assert hyp.read_text(encoding="utf-8").splitlines() == translate_lines(model, sp, LINES, cfg, "cpu")
 
 
 def test_command_line_reads_stdin_and_writes_stdout(model_file):

@@ -211,6 +211,10 @@ class DecodeConfig(Section):
     len_penalty: float = Field(0.6, ge=0.0)  # GNMT alpha: lp(Y) = ((5 + |Y|) / 6)^alpha
     max_len_a: float = Field(1.0, ge=0.0)  # max output length = a * src_len + b
     max_len_b: int = Field(50, ge=0)
+    # When a sentence's beam search ends: "exact" once no live hypothesis can beat its best
+    # finished ones (tensor2tensor, the paper's code); "beam" also once beam_size hypotheses
+    # have finished (fairseq, Marian, CTranslate2): faster, may miss a longer better one.
+    early_stop: Literal["exact", "beam"] = "exact"
     max_tokens: int = operational(8000, ge=1)  # source tokens per decoding batch
 
 

@@ -20,6 +20,9 @@ Rules of the search, per sentence (each is a choice among the standard ones):
   tokens), so a sentence is done once its n_best-th best finished score is at least the
   best live s / lp(limit + 1); then no live hypothesis can enter the returned n-best.
   It is also done at its maximum length. Done sentences leave the batch and the cache.
+  With early_stop="beam", a sentence is also done once beam_size of its hypotheses have
+  finished, as fairseq, Marian and CTranslate2 (patience 1) stop: cheaper, and a longer
+  hypothesis that would have won is then never found.
 
 Under CUDA the model runs in bf16 autocast; log_softmax and all scores are fp32.
 
@@ -154,6 +157,8 @@ def greedy_search(
 
     Returns each sentence's output tokens without BOS/EOS, in the order of `src`.
     `cached=False` re-runs the decoder over the whole prefix each step (the reference).
+    `early_stop`: "exact" (no live hypothesis can still win) or "beam" (also done once
+    beam_size hypotheses finished: fairseq's, Marian's and CTranslate2's rule).
     """
     dev = src.device
     with _inference(dev):
@@ -186,9 +191,10 @@ class _Beams:
     batch, from which `_History` traces its tokens. Finished hypotheses stay on the
     device; `final` holds those of done sentences."""
 
-    def __init__(self, limit: Tensor, k: int, n_best: int, alpha: float):
+    def __init__(self, limit: Tensor, k: int, n_best: int, alpha: float, stop_at: int | None):
         n, dev = limit.size(0), limit.device
-        self.k, self.alpha = k, alpha
+        self.k, self.alpha, self.stop_at = k, alpha, stop_at
+        self.finished = torch.zeros(n, dtype=torch.long, device=dev)  # EOS extensions taken
         self.sent = torch.arange(n, device=dev)  # the batch index of each live sentence
         self.limit = limit  # (N,) most output tokens
         self.best_lp = length_penalty(limit.double() + 1, alpha).float()  # longest output's
@@ -210,6 +216,7 @@ class _Beams:
         """Merge the EOS extensions among the best k into each sentence's n-best; a stable
         sort puts earlier ones first among equal scores."""
         score = top / length_penalty(t + 1.0, self.alpha)  # (N, k); |Y| = t tokens + EOS
+        self.finished += ((tok == EOS) & (top > float("-inf"))).sum(1)
         ends = (tok == EOS) & (score > self.kept[:, -1:, 0])  # -inf never enters
         score = score.masked_fill(~ends, float("-inf"))
         new = torch.stack([score, top, torch.full_like(top, t), rows.float()], dim=-1)
@@ -219,14 +226,17 @@ class _Beams:
         self.kept = both.gather(1, order[:, :n_best, None].expand(-1, -1, 4))
 
     def done(self, t: int) -> Tensor:
-        """(N,) at the maximum length, or no live hypothesis can enter the n-best."""
+        """(N,) at the maximum length, or no live hypothesis can enter the n-best, or (with
+        `stop_at`) that many hypotheses have finished."""
         bound = self.scores[:, 0] / self.best_lp
-        return (self.limit <= t) | (bound <= self.kept[:, -1, 0])
+        done = (self.limit <= t) | (bound <= self.kept[:, -1, 0])
+        return done if self.stop_at is None else done | (self.finished >= self.stop_at)
 
     def keep(self, kept: Tensor, gone: Tensor) -> None:
         self.final[self.sent[gone]] = self.kept[gone]
         self.sent, self.limit, self.best_lp = self.sent[kept], self.limit[kept], self.best_lp[kept]
         self.scores, self.kept = self.scores[kept], self.kept[kept]
+        self.finished = self.finished[kept]
 
 
 class _History:
@@ -271,6 +281,7 @@ def beam_search(
     n_best: int = 1,
     max_len: int | None = None,
     cached: bool = True,
+    early_stop: str = "exact",
 ) -> list[list[Hypothesis]]:
     """Beam search for each sentence of `src` (B, S), PAD-padded, each ending with EOS, with
     a model or an ensemble (a list of models).
@@ -278,6 +289,8 @@ def beam_search(
     Returns, in the order of `src`, each sentence's best `n_best` hypotheses, best first
     (fewer only if the model gives EOS probability 0). The module docstring has the rules.
     `cached=False` re-runs the decoder over the whole prefix each step (the reference).
+    `early_stop`: "exact" (no live hypothesis can still win) or "beam" (also done once
+    beam_size hypotheses finished: fairseq's, Marian's and CTranslate2's rule).
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best ({n_best}) must lie in [1, beam_size ({beam_size})]")
@@ -286,7 +299,8 @@ def beam_search(
     k, dev = beam_size, src.device
     with _inference(dev):
         limit, shortest, longest = _limits(src, max_len_a, max_len_b, max_len)
-        beams, history = _Beams(limit, k, n_best, len_penalty), _History()
+        stop_at = {"exact": None, "beam": k}[early_stop]
+        beams, history = _Beams(limit, k, n_best, len_penalty, stop_at), _History()
         decoder = _Decoder(model, src, longest, cached)
         tok = torch.full((src.size(0),), BOS, device=dev)  # newest tokens: one beam at first
         for t in range(longest + 1):

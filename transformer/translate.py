@@ -185,7 +185,7 @@ def _search(models: list[Transformer], src: torch.Tensor, cfg: DecodeConfig, n_b
     alpha = cfg.len_penalty if cfg.beam_size > 1 else 0.0
     return beam_search(
         models, src, cfg.beam_size, alpha, cfg.max_len_a, cfg.max_len_b, n_best,
-        max_len=None if cap is None else cap - 1,
+        max_len=None if cap is None else cap - 1, early_stop=cfg.early_stop,
     )  # fmt: skip
 
 
@@ -211,6 +211,7 @@ OPTIONS = {
     "max_len_a": "--max-len-a",
     "max_len_b": "--max-len-b",
     "max_tokens": "--max-tokens",
+    "early_stop": "--early-stop",
 }
 
 
@@ -246,6 +247,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len-b", type=int, metavar="B", help="... source tokens + B")
     p.add_argument("--max-tokens", type=int, metavar="N", help="source tokens per batch, at most")
     p.add_argument("--batch-size", type=int, metavar="N", help="sentences per batch, at most")
+    p.add_argument(
+        "--early-stop",
+        choices=("exact", "beam"),
+        help="end a sentence once no hypothesis can still win (exact), or also once beam-size "
+        "hypotheses finished (beam: fairseq's, Marian's, CTranslate2's rule)",
+    )
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.epilog = "Unset options take the model's params (decode section).\n\n" + EXAMPLES
     return p.parse_args(argv)
@@ -271,6 +278,7 @@ def _decode_config(params: Params, args: argparse.Namespace) -> DecodeConfig:
         "max_len_a": args.max_len_a,
         "max_len_b": args.max_len_b,
         "max_tokens": args.max_tokens,
+        "early_stop": args.early_stop,
     }
     update = {k: v for k, v in given.items() if v is not None}
     try:
