@@ -118,6 +118,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# The smoke flow with enough training to learn something, little enough for CI
+# (tests/test_flow.py, tests/test_reliability.py).
+TINY_FLOW = [
+    "train.max_steps=40",
+    "train.warmup_steps=20",
+    "train.save_every=10",
+    "train.valid_every=20",
+    "train.log_every=10",
+    "train.keep_last=3",
+    "average.last_n=2",
+    "decode.beam_size=2",
+    "decode.max_len_b=10",
+]
+
 SMOKE_STEPS = [
     "train.max_steps=200",
     "train.save_every=100",

@@ -19,6 +19,7 @@ import mlflow
 import pytest
 import torch
 import yaml
+from conftest import TINY_FLOW
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -29,18 +30,6 @@ from transformer.checkpoint import load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "params" / "smoke.yaml")
-# Enough training to learn something, little enough for CI.
-TINY = [
-    "train.max_steps=40",
-    "train.warmup_steps=20",
-    "train.save_every=10",
-    "train.valid_every=20",
-    "train.log_every=10",
-    "train.keep_last=3",
-    "average.last_n=2",
-    "decode.beam_size=2",
-    "decode.max_len_b=10",
-]
 STAGES = {"prepare", "clean", "vocab", "shards", "train", "average", "decode", "export"}
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,7 +50,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def first(work):
-    state = wmt14_ende(SMOKE, TINY, str(work), return_state=True)
+    state = wmt14_ende(SMOKE, TINY_FLOW, str(work), return_state=True)
     assert state.is_completed(), state
     return state.result(), state.state_details.flow_run_id
 
@@ -181,7 +170,7 @@ def test_a_rerun_is_served_from_prefects_cache_and_resumes_the_run(first, work):
     before = len(_children(client, result["run_id"]))
     model_mtime = Path(result["model"]).stat().st_mtime_ns
 
-    state = wmt14_ende(SMOKE, TINY, str(work), return_state=True)
+    state = wmt14_ende(SMOKE, TINY_FLOW, str(work), return_state=True)
     assert state.is_completed()
     again = state.result()
     assert again["run_id"] == result["run_id"]
@@ -202,7 +191,7 @@ def test_a_rerun_is_served_from_prefects_cache_and_resumes_the_run(first, work):
 
 def test_two_fresh_runs_are_bitwise_reproducible(first, tmp_path):
     result, _ = first
-    other = wmt14_ende(SMOKE, TINY, str(tmp_path))
+    other = wmt14_ende(SMOKE, TINY_FLOW, str(tmp_path))
     assert other["scores"]["test"]["bleu"] == result["scores"]["test"]["bleu"]
     a, b = load_model_file(result["model"]).model, load_model_file(other["model"]).model
     assert a.keys() == b.keys()
@@ -215,7 +204,7 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
     anew in another folder, on the same shards."""
     result, _ = first
     train_dirs = _folders(work / "train")
-    operational = [*TINY, "train.log_every=5", "train.valid_every=10", "train.save_every=20",
+    operational = [*TINY_FLOW, "train.log_every=5", "train.valid_every=10", "train.save_every=20",
                    "shard.workers=1", "train.valid_bleu=false", "train.max_steps=50"]  # fmt: skip
     state = wmt14_ende(SMOKE, operational, str(work), return_state=True)
     assert state.is_completed(), state
@@ -227,7 +216,7 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
     log = (next(iter(train_dirs)) / "train.log").read_text()
     assert "resumed from" in log and "at step 40" in log
 
-    identity = [*TINY, "model.dropout=0.2"]
+    identity = [*TINY_FLOW, "model.dropout=0.2"]
     other = wmt14_ende(SMOKE, identity, str(work), return_state=True).result()
     assert len(_folders(work / "train") - train_dirs) == 1
     children = {c.data.tags["stage"] for c in _children(_client(work), other["run_id"])}
@@ -236,7 +225,7 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
 
 @pytest.mark.slow  # and ten kills at random moments in test_reliability.py
 def test_a_run_killed_in_training_resumes_and_completes(first, work):
-    overrides = [*TINY, "train.max_steps=80"]  # the same training folder, extended
+    overrides = [*TINY_FLOW, "train.max_steps=80"]  # the same training folder, extended
     cmd = [sys.executable, "-m", "flows.wmt14_ende", SMOKE, *overrides, "--work-dir", str(work)]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -286,7 +275,7 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
     env.pop("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", None)
     smoke = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"][-1]
     assert smoke["name"] == "smoke"
-    smoke["parameters"]["overrides"] = TINY  # `first`'s stages: reused, the run is quick
+    smoke["parameters"]["overrides"] = TINY_FLOW  # `first`'s stages: reused, the run is quick
     spec = tmp_path / "prefect.yaml"
     prefect = str(Path(sys.executable).parent / "prefect")
     server = _spawn([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -314,7 +303,7 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
 
         # Greedy decoding: the run reuses data and training of `first`, and really decodes.
         decoded = _folders(work / "decode")
-        params = json.dumps({"overrides": [*TINY, "decode.beam_size=1"]})
+        params = json.dumps({"overrides": [*TINY_FLOW, "decode.beam_size=1"]})
         run = subprocess.run(
             [prefect, "deployment", "run", "wmt14-ende/smoke", "--params", params,
              "--watch", "--watch-timeout", "500"],

@@ -145,7 +145,8 @@ def test_command_line_early_stop_option_sets_the_search_rule(model_file, tmp_pat
     assert main([*argv, "--early-stop", "beam"]) == 0
     model, sp, params = load_translator(model_file, "cpu")
     cfg = params.decode.model_copy(update={"early_stop": "beam"})
-    assert hyp.read_text(encoding="utf-8").splitlines() == translate_lines(model, sp, LINES, cfg, "cpu")
+    expected = translate_lines(model, sp, LINES, cfg, "cpu")
+    assert hyp.read_text(encoding="utf-8").splitlines() == expected
 
 
 def test_command_line_reads_stdin_and_writes_stdout(model_file):
