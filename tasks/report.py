@@ -20,12 +20,11 @@ PANELS = (
 )
 
 
-def history(client: MlflowClient, run_id: str, key: str) -> tuple[list[int], list[float]]:
-    """Steps and values of a metric; a resumed run may log a step twice: keep the last."""
-    by_step = {
-        m.step: m.value
-        for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
-    }
+def history(client: MlflowClient, run_ids: list[str], key: str) -> tuple[list[int], list[float]]:
+    """Steps and values of a metric over one run or several (a training extended by a later
+    run: raising train.max_steps resumes it); a step logged twice keeps its last value."""
+    metrics = [m for run_id in run_ids for m in client.get_metric_history(run_id, key)]
+    by_step = {m.step: m.value for m in sorted(metrics, key=lambda m: m.timestamp)}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
@@ -41,10 +40,11 @@ def add_epoch_axis(ax, steps: list[int], epochs: list[float]) -> None:
     top.set_xlabel("epoch")
 
 
-def plot_training_curve(client: MlflowClient, run_id: str, out: Path) -> Path:
+def plot_training_curve(client: MlflowClient, run_ids: str | list[str], out: Path) -> Path:
     """Loss (train and valid), lr and, when recorded, valid BLEU against the step (and the
-    epoch, on top)."""
-    curves = {k: history(client, run_id, k) for _, keys in PANELS for k in keys}
+    epoch, on top), from one run or the runs that trained one model in turn."""
+    run_ids = [run_ids] if isinstance(run_ids, str) else run_ids
+    curves = {k: history(client, run_ids, k) for _, keys in PANELS for k in keys}
     panels = [(title, keys) for title, keys in PANELS if any(curves[k][0] for k in keys)]
     fig, _axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 3.6))
     for ax, (title, keys) in zip(list(fig.axes), panels, strict=False):
@@ -56,9 +56,9 @@ def plot_training_curve(client: MlflowClient, run_id: str, out: Path) -> Path:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-        add_epoch_axis(ax, *history(client, run_id, "train/epoch"))
-    run_name = client.get_run(run_id).info.run_name
-    fig.suptitle(f"{run_name} ({run_id[:8]})")
+        add_epoch_axis(ax, *history(client, run_ids, "train/epoch"))
+    names = (f"{client.get_run(run_id).info.run_name} ({run_id[:8]})" for run_id in run_ids)
+    fig.suptitle(" + ".join(names))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -67,14 +67,14 @@ def plot_training_curve(client: MlflowClient, run_id: str, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m tasks.report RUN_ID --tracking-uri URI --out curve.png"""
+    """python -m tasks.report RUN_ID [RUN_ID ...] --tracking-uri URI --out curve.png"""
 
     parser = ArgumentParser(description="Draw a run's learning curves from MLflow.")
-    parser.add_argument("run_id")
+    parser.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="one run, or several in turn")
     parser.add_argument("--tracking-uri", default="sqlite:///work/mlflow.db")
     parser.add_argument("--out", type=Path, default=Path("curve.png"))
     args = parser.parse_args(argv)
-    print(plot_training_curve(MlflowClient(args.tracking_uri), args.run_id, args.out))
+    print(plot_training_curve(MlflowClient(args.tracking_uri), args.run_ids, args.out))
 
 
 if __name__ == "__main__":
