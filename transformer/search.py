@@ -157,8 +157,6 @@ def greedy_search(
 
     Returns each sentence's output tokens without BOS/EOS, in the order of `src`.
     `cached=False` re-runs the decoder over the whole prefix each step (the reference).
-    `early_stop`: "exact" (no live hypothesis can still win) or "beam" (also done once
-    beam_size hypotheses finished: fairseq's, Marian's and CTranslate2's rule).
     """
     dev = src.device
     with _inference(dev):
@@ -216,7 +214,8 @@ class _Beams:
         """Merge the EOS extensions among the best k into each sentence's n-best; a stable
         sort puts earlier ones first among equal scores."""
         score = top / length_penalty(t + 1.0, self.alpha)  # (N, k); |Y| = t tokens + EOS
-        self.finished += ((tok == EOS) & (top > float("-inf"))).sum(1)
+        if self.stop_at is not None:
+            self.finished += ((tok == EOS) & (top > float("-inf"))).sum(1)
         ends = (tok == EOS) & (score > self.kept[:, -1:, 0])  # -inf never enters
         score = score.masked_fill(~ends, float("-inf"))
         new = torch.stack([score, top, torch.full_like(top, t), rows.float()], dim=-1)
