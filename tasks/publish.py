@@ -41,7 +41,7 @@ def publish(run: dict, records: dict[str, dict]) -> dict:
     version = register(run, model, scores, records["average"]["fingerprint"])
     with tempfile.TemporaryDirectory() as tmp:  # redrawn from MLflow: every logged point
         client.log_artifact(
-            run_id, str(plot_training_curve(client, run_id, Path(tmp) / "curve.png"))
+            run_id, str(plot_training_curve(client, [run_id], Path(tmp) / "curve.png"))
         )
     summary = {
         "run_id": run_id,

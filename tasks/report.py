@@ -40,10 +40,9 @@ def add_epoch_axis(ax, steps: list[int], epochs: list[float]) -> None:
     top.set_xlabel("epoch")
 
 
-def plot_training_curve(client: MlflowClient, run_ids: str | list[str], out: Path) -> Path:
+def plot_training_curve(client: MlflowClient, run_ids: list[str], out: Path) -> Path:
     """Loss (train and valid), lr and, when recorded, valid BLEU against the step (and the
     epoch, on top), from one run or the runs that trained one model in turn."""
-    run_ids = [run_ids] if isinstance(run_ids, str) else run_ids
     curves = {k: history(client, run_ids, k) for _, keys in PANELS for k in keys}
     panels = [(title, keys) for title, keys in PANELS if any(curves[k][0] for k in keys)]
     fig, _axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 3.6))

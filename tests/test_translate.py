@@ -14,6 +14,7 @@ import pytest
 import sentencepiece as spm
 import torch
 
+from transformer import translate as translate_module
 from transformer.checkpoint import ModelFile, load_model_file, save_model_file
 from transformer.config import DecodeConfig, ModelConfig, load_params, to_dict
 from transformer.model import Transformer
@@ -138,11 +139,20 @@ def test_command_line_file_to_file(model_file, tmp_path):
     assert hyp.read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
 
 
-def test_command_line_early_stop_option_sets_the_search_rule(model_file, tmp_path):
+def test_command_line_early_stop_option_sets_the_search_rule(model_file, tmp_path, monkeypatch):
     src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
     src.write_text("\n".join(LINES) + "\n", encoding="utf-8")
     argv = ["--model", str(model_file), "--input", str(src), "--output", str(hyp)]
+    # On this random model both rules may give the same outputs: see the rule reach the search.
+    rules, search = [], translate_module.beam_search
+    monkeypatch.setattr(
+        translate_module,
+        "beam_search",
+        lambda *a, **kw: rules.append(kw["early_stop"]) or search(*a, **kw),
+    )
     assert main([*argv, "--early-stop", "beam"]) == 0
+    assert rules and set(rules) == {"beam"}
+    monkeypatch.undo()
     model, sp, params = load_translator(model_file, "cpu")
     cfg = params.decode.model_copy(update={"early_stop": "beam"})
     expected = translate_lines(model, sp, LINES, cfg, "cpu")

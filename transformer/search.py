@@ -298,7 +298,7 @@ def beam_search(
     k, dev = beam_size, src.device
     with _inference(dev):
         limit, shortest, longest = _limits(src, max_len_a, max_len_b, max_len)
-        stop_at = {"exact": None, "beam": k}[early_stop]
+        stop_at = k if early_stop == "beam" else None
         beams, history = _Beams(limit, k, n_best, len_penalty, stop_at), _History()
         decoder = _Decoder(model, src, longest, cached)
         tok = torch.full((src.size(0),), BOS, device=dev)  # newest tokens: one beam at first
