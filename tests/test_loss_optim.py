@@ -11,7 +11,7 @@ from torch import nn
 from transformer import loss as loss_module
 from transformer.config import TrainConfig
 from transformer.loss import label_smoothed_loss
-from transformer.optim import build_optimizer, inverse_sqrt_schedule
+from transformer.optim import build_optimizer, cooldown_factor, inverse_sqrt_schedule
 
 
 def test_label_smoothing_hand_computed():
@@ -66,6 +66,26 @@ def test_schedule_hand_computed():
     assert inverse_sqrt_schedule(4000, 512, 4000) == pytest.approx(6.987712e-04, rel=1e-6)
     assert inverse_sqrt_schedule(100000, 512, 4000) == pytest.approx(1.397542e-04, rel=1e-6)
     assert inverse_sqrt_schedule(4000, 512, 4000, lr_scale=2.0) == pytest.approx(1.3975425e-03)
+
+
+def test_cooldown_falls_linearly_to_near_zero_over_the_last_fraction():
+    # 10 updates, the last 30% (3) cool down: updates 1-7 at full lr, then 3/4, 2/4, 1/4.
+    factors = [cooldown_factor(k, 10, 0.3) for k in range(1, 11)]
+    assert factors == [1.0] * 7 + [0.75, 0.5, 0.25]
+    assert [cooldown_factor(k, 10, 0.0) for k in (1, 10)] == [1.0, 1.0]  # the paper's: none
+
+
+def test_optimizer_cools_down_to_max_steps():
+    model = nn.Linear(4, 3)
+    cfg = TrainConfig(warmup_steps=2, max_steps=8, cooldown=0.5)
+    optimizer, scheduler = build_optimizer(model, cfg, d_model=16)
+    lrs = []
+    for _ in range(8):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        train_step(model, optimizer, scheduler, torch.randn(2, 4))
+    full = [inverse_sqrt_schedule(k, 16, 2) for k in range(1, 9)]
+    assert lrs[:4] == pytest.approx(full[:4])  # the paper's curve until the cooldown
+    assert lrs[4:] == pytest.approx([f * (9 - k) / 5 for k, f in zip(range(5, 9), full[4:])])
 
 
 def make(seed: int):

@@ -171,6 +171,9 @@ class TrainConfig(Section):
     max_steps: int = operational(100_000, ge=1)  # optimizer updates; raising it extends a run
     warmup_steps: int = Field(4000, gt=0)
     lr_scale: float = Field(1.0, gt=0.0)  # multiplies d_model^-0.5 * min(...) (paper: 1)
+    # The last fraction of max_steps over which the lr falls linearly to ~0 (paper: 0, none).
+    # It follows max_steps: raising max_steps on resume moves the cooldown to the new end.
+    cooldown: float = Field(0.0, ge=0.0, lt=1.0)
     adam_betas: list[float] = Field([0.9, 0.98], min_length=2, max_length=2)
     adam_eps: float = Field(1e-9, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)

@@ -1,7 +1,10 @@
-"""Adam with the paper's warmup then inverse-square-root learning rate (section 5.3), and
-the gradient norm (clipping is off in the paper, available here)."""
+"""Adam with the paper's warmup then inverse-square-root learning rate (section 5.3), an
+optional linear cooldown to zero at the end (warmup-stable-decay, as torchtitan's
+`decay_ratio`), and the gradient norm (clipping is off in the paper, available here)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -19,6 +22,17 @@ def inverse_sqrt_schedule(
     return lr_scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
 
+def cooldown_factor(step: int, max_steps: int, cooldown: float) -> float:
+    """1 before the last `cooldown` fraction of `max_steps` updates, then falling linearly
+    to 1 / (window + 1) at update `max_steps`: a run that must end at a given step ends
+    annealed (a lower loss than its inverse-sqrt lr leaves, Hagele et al. 2024)."""
+    window = math.ceil(cooldown * max_steps)
+    start = max_steps - window  # the last update at the full schedule
+    if step <= start:
+        return 1.0
+    return max(0.0, (max_steps + 1 - step) / (window + 1))
+
+
 def build_optimizer(
     model: nn.Module, cfg: TrainConfig, d_model: int
 ) -> tuple[torch.optim.Adam, LambdaLR]:
@@ -27,7 +41,8 @@ def build_optimizer(
     The base lr is 1.0, so the multiplier is the absolute lr. LambdaLR applies lambda(0)
     at construction and lambda(k) after the k-th `scheduler.step()`; the lambda shifts by
     one so that update k (counted from 1, as the paper does) runs at schedule(k).
-    Call `scheduler.step()` after each `optimizer.step()`.
+    Call `scheduler.step()` after each `optimizer.step()`. With `cfg.cooldown` the lr
+    depends on `cfg.max_steps`: extending a run moves the cooldown to its new end.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(
@@ -40,7 +55,8 @@ def build_optimizer(
     )
     scheduler = LambdaLR(
         optimizer,
-        lambda k: inverse_sqrt_schedule(k + 1, d_model, cfg.warmup_steps, cfg.lr_scale),
+        lambda k: inverse_sqrt_schedule(k + 1, d_model, cfg.warmup_steps, cfg.lr_scale)
+        * cooldown_factor(k + 1, cfg.max_steps, cfg.cooldown),
     )
     return optimizer, scheduler
 

@@ -199,6 +199,10 @@ class Trainer:
             )
         for line in differences:
             log.warning("resuming despite a difference (--allow-param-change): %s", line)
+        was = state["params"]["train"]["max_steps"]
+        if self.cfg.cooldown and was != self.cfg.max_steps:
+            log.warning("train.max_steps %d -> %d: the lr cooldown (train.cooldown %g) moves to "
+                        "the new end", was, self.cfg.max_steps, self.cfg.cooldown)  # fmt: skip
         try:
             for name, part in self.parts.items():
                 part.load_state_dict(state[name])
