@@ -85,7 +85,7 @@ def test_optimizer_cools_down_to_max_steps():
         train_step(model, optimizer, scheduler, torch.randn(2, 4))
     full = [inverse_sqrt_schedule(k, 16, 2) for k in range(1, 9)]
     assert lrs[:4] == pytest.approx(full[:4])  # the paper's curve until the cooldown
-    assert lrs[4:] == pytest.approx([f * (9 - k) / 5 for k, f in zip(range(5, 9), full[4:])])
+    assert lrs[4:] == pytest.approx([f * (9 - k) / 5 for k, f in enumerate(full[4:], start=5)])
 
 
 def make(seed: int):

@@ -55,8 +55,10 @@ def build_optimizer(
     )
     scheduler = LambdaLR(
         optimizer,
-        lambda k: inverse_sqrt_schedule(k + 1, d_model, cfg.warmup_steps, cfg.lr_scale)
-        * cooldown_factor(k + 1, cfg.max_steps, cfg.cooldown),
+        lambda k: (
+            inverse_sqrt_schedule(k + 1, d_model, cfg.warmup_steps, cfg.lr_scale)
+            * cooldown_factor(k + 1, cfg.max_steps, cfg.cooldown)
+        ),
     )
     return optimizer, scheduler
 
