@@ -21,6 +21,7 @@ import transformer.train as train_module
 from transformer import checkpoint as ckpt
 from transformer.config import load_params, to_dict
 from transformer.distributed import DistEnv
+from transformer.optim import inverse_sqrt_schedule
 from transformer.train import batch_plan, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +173,20 @@ def test_extending_max_steps_continues_the_same_trajectory(tiny_params, tiny_sha
     assert train(tiny_params, tiny_shards, tmp_path / "b", "train.max_steps=3") == 0
     assert train(tiny_params, tiny_shards, tmp_path / "b", "train.max_steps=6") == 0
     assert_same_training(final_state(tmp_path / "a"), final_state(tmp_path / "b"))
+
+
+def test_a_cooldown_ends_at_max_steps_and_moves_when_it_is_raised(
+    tiny_params, tiny_shards, tmp_path, caplog
+):
+    out, cool = tmp_path / "r", ["train.cooldown=0.5", "train.log_every=1"]
+    logger = ListLogger()
+    assert train(tiny_params, tiny_shards, out, *cool, "train.max_steps=4", logger=logger) == 0
+    lrs = [m["train/lr"] for _, m in logger.records if "train/lr" in m]
+    full = [inverse_sqrt_schedule(k, 32, 4, 2.0) for k in range(1, 5)]  # tiny_params
+    assert lrs == pytest.approx([full[0], full[1], full[2] * 2 / 3, full[3] / 3])
+    caplog.set_level("WARNING", logger="transformer")
+    assert train(tiny_params, tiny_shards, out, *cool, "train.max_steps=6") == 0
+    assert "train.max_steps 4 -> 6: the lr cooldown (train.cooldown 0.5) moves" in caplog.text
 
 
 def test_operational_changes_resume_and_identity_changes_are_refused(
