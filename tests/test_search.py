@@ -197,35 +197,6 @@ def test_limits_follow_each_source_length_and_finished_sentences_leave_the_batch
     assert model.rows == [4, 8, 6, 4, 2]  # the first step extends each BOS once
 
 
-def test_done_sentences_stay_in_the_batch_until_a_quarter_is_done():
-    # Real lengths 1..8: each output ends at its limit, one more sentence done each step.
-    model = StubModel(always_a, 5)
-    src = batch(*([7] * n for n in range(8)))
-    assert greedy_search(model, src, 1.0, 0) == [[A] * n for n in range(1, 9)]
-    # 8 rows until 2 are done, 6 until 2 more, then 4 and fewer: a quarter rounds up to 1.
-    assert model.rows == [8, 8, 8, 6, 6, 4, 3, 2, 1]
-
-
-def short_and_long(source, prefix):
-    """Source [7]: early_case; any other: never ends before its limit."""
-    if source[0] == 7:
-        return F.pad(early_case(source, prefix), (0, 6), value=-math.inf)
-    return probs(12, a=0.45, b=0.45, eos=0.1)
-
-
-def test_a_done_sentence_kept_in_the_batch_keeps_its_n_best():
-    # Done at step 2 by early_stop="beam", 1 of 8 sentences: it stays in the batch while the
-    # others go on, and "b b b b b", which would beat its n-best, must not get in.
-    model = StubModel(short_and_long, 12)
-    src = batch([7], *([8] * n for n in range(1, 8)))
-    found = beam_search(model, src, 2, 0.6, 0.0, 10, n_best=2, early_stop="beam")
-    assert [h.tokens for h in found[0]] == [[A], [A, A]]
-    assert model.rows[3] == 16  # still 8 sentences of 2 hypotheses after it was done
-    for i, source in enumerate([[7], *([8] * n for n in range(1, 8))]):
-        alone = beam_search(model, batch(source), 2, 0.6, 0.0, 10, n_best=2, early_stop="beam")
-        assert alone == [found[i]]
-
-
 def random_tree(vocab: int):
     """Deterministic random next-token distributions for each (source, prefix)."""
 

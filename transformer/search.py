@@ -19,9 +19,7 @@ Rules of the search, per sentence (each is a choice among the standard ones):
   raw score s can at best finish with s / lp(limit + 1) (limit: the sentence's most output
   tokens), so a sentence is done once its n_best-th best finished score is at least the
   best live s / lp(limit + 1); then no live hypothesis can enter the returned n-best.
-  It is also done at its maximum length. Done sentences leave the batch and the cache
-  together, once a quarter of the batch is done (DROP_DONE_AT); until then their n-best is
-  final and their rows decode on, ignored.
+  It is also done at its maximum length. Done sentences leave the batch and the cache.
   With early_stop="beam", a sentence is also done once beam_size of its hypotheses have
   finished, as fairseq, Marian and CTranslate2 (patience 1) stop: cheaper, and a longer
   hypothesis that would have won is then never found.
@@ -135,19 +133,10 @@ def _limits(src: Tensor, max_len_a: float, max_len_b: int, cap: int | None):
     return limit, shortest, longest
 
 
-# Dropping done sentences from the batch copies every cache row that stays (and, on a CPU,
-# faults in fresh pages for the copy): done ones stay, ignored, until this fraction of the
-# batch is done. Their rows cost a little compute each step; a copy at every step that some
-# sentence ends (most steps, in a batch of hundreds) costs more.
-DROP_DONE_AT = 0.25
-
-
 def _split(done: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The step's one host sync: None while fewer than DROP_DONE_AT of the rows are done (and
-    not all), else the (kept, gone) indices."""
+    """The step's one host sync: None if no sentence is done, else (kept, gone) indices."""
     flags = done.tolist()
-    n_done = sum(flags)
-    if n_done < len(flags) and n_done < max(1, math.ceil(DROP_DONE_AT * len(flags))):
+    if not any(flags):
         return None
     kept = [i for i, f in enumerate(flags) if not f]
     gone = [i for i, f in enumerate(flags) if f]
@@ -176,21 +165,19 @@ def greedy_search(
         sent = torch.arange(src.size(0), device=dev)  # sentence of each live row
         decoder = _Decoder(model, src, longest, cached)
         tok = torch.full((src.size(0),), BOS, device=dev)
-        ended = torch.zeros(src.size(0), dtype=torch.bool, device=dev)
         for t in range(longest + 1):
             lprobs = decoder.log_probs(tok)  # (N, V)
             if t >= shortest:
                 _force_eos(lprobs, limit <= t)
             tok = lprobs.argmax(dim=-1)  # (N,)
-            out[sent, t] = tok  # an ended row's tokens past its EOS are cut off below
-            ended |= tok == EOS
-            split = _split(ended)
+            out[sent, t] = tok
+            split = _split(tok == EOS)
             if split is None:
                 continue
             kept, _ = split
             if kept.numel() == 0:
                 break
-            tok, sent, limit, ended = tok[kept], sent[kept], limit[kept], ended[kept]
+            tok, sent, limit = tok[kept], sent[kept], limit[kept]
             decoder.select(kept, kept)
         return [row[: row.index(EOS)] for row in out.tolist()]
 
@@ -206,7 +193,6 @@ class _Beams:
         n, dev = limit.size(0), limit.device
         self.k, self.alpha, self.stop_at = k, alpha, stop_at
         self.finished = torch.zeros(n, dtype=torch.long, device=dev)  # EOS extensions taken
-        self.frozen = torch.zeros(n, dtype=torch.bool, device=dev)  # done, still in the batch
         self.sent = torch.arange(n, device=dev)  # the batch index of each live sentence
         self.limit = limit  # (N,) most output tokens
         self.best_lp = length_penalty(limit.double() + 1, alpha).float()  # longest output's
@@ -231,7 +217,6 @@ class _Beams:
         if self.stop_at is not None:
             self.finished += ((tok == EOS) & (top > float("-inf"))).sum(1)
         ends = (tok == EOS) & (score > self.kept[:, -1:, 0])  # -inf never enters
-        ends &= ~self.frozen[:, None]  # a done sentence's n-best is final
         score = score.masked_fill(~ends, float("-inf"))
         new = torch.stack([score, top, torch.full_like(top, t), rows.float()], dim=-1)
         both = torch.cat([self.kept, new.double()], dim=1)  # (N, n_best + k, 4)
@@ -241,20 +226,16 @@ class _Beams:
 
     def done(self, t: int) -> Tensor:
         """(N,) at the maximum length, or no live hypothesis can enter the n-best, or (with
-        `stop_at`) that many hypotheses have finished. A done sentence stays done, its
-        n-best frozen, until it leaves the batch."""
+        `stop_at`) that many hypotheses have finished."""
         bound = self.scores[:, 0] / self.best_lp
-        done = (self.limit <= t) | (bound <= self.kept[:, -1, 0]) | self.frozen
-        if self.stop_at is not None:
-            done |= self.finished >= self.stop_at
-        self.frozen = done  # until it leaves the batch (search._split)
-        return done
+        done = (self.limit <= t) | (bound <= self.kept[:, -1, 0])
+        return done if self.stop_at is None else done | (self.finished >= self.stop_at)
 
     def keep(self, kept: Tensor, gone: Tensor) -> None:
         self.final[self.sent[gone]] = self.kept[gone]
         self.sent, self.limit, self.best_lp = self.sent[kept], self.limit[kept], self.best_lp[kept]
         self.scores, self.kept = self.scores[kept], self.kept[kept]
-        self.finished, self.frozen = self.finished[kept], self.frozen[kept]
+        self.finished = self.finished[kept]
 
 
 class _History:
