@@ -72,7 +72,8 @@ def test_cooldown_falls_linearly_to_near_zero_over_the_last_fraction():
     # 10 updates, the last 30% (3) cool down: updates 1-7 at full lr, then 3/4, 2/4, 1/4.
     factors = [cooldown_factor(k, 10, 0.3) for k in range(1, 11)]
     assert factors == [1.0] * 7 + [0.75, 0.5, 0.25]
-    assert [cooldown_factor(k, 10, 0.0) for k in (1, 10)] == [1.0, 1.0]  # the paper's: none
+    # The paper's: none, also for the lr after the last update (a run extended later).
+    assert [cooldown_factor(k, 10, 0.0) for k in (1, 10, 11)] == [1.0, 1.0, 1.0]
 
 
 def test_optimizer_cools_down_to_max_steps():

@@ -185,8 +185,13 @@ def test_a_cooldown_ends_at_max_steps_and_moves_when_it_is_raised(
     full = [inverse_sqrt_schedule(k, 32, 4, 2.0) for k in range(1, 5)]  # tiny_params
     assert lrs == pytest.approx([full[0], full[1], full[2] * 2 / 3, full[3] / 3])
     caplog.set_level("WARNING", logger="transformer")
-    assert train(tiny_params, tiny_shards, out, *cool, "train.max_steps=6") == 0
+    logger = ListLogger()
+    assert train(tiny_params, tiny_shards, out, *cool, "train.max_steps=6", logger=logger) == 0
     assert "train.max_steps 4 -> 6: the lr cooldown (train.cooldown 0.5) moves" in caplog.text
+    # Updates 5 and 6 under the new schedule: the last 3 of 6 cool down (3/4, 2/4, 1/4).
+    lrs = [m["train/lr"] for _, m in logger.records if "train/lr" in m]
+    assert lrs == pytest.approx([inverse_sqrt_schedule(k, 32, 4, 2.0) * f for k, f in
+                                 ((5, 2 / 4), (6, 1 / 4))])  # fmt: skip
 
 
 def test_operational_changes_resume_and_identity_changes_are_refused(

@@ -28,7 +28,7 @@ def cooldown_factor(step: int, max_steps: int, cooldown: float) -> float:
     annealed (a lower loss than its inverse-sqrt lr leaves, Hagele et al. 2024)."""
     window = math.ceil(cooldown * max_steps)
     start = max_steps - window  # the last update at the full schedule
-    if step <= start:
+    if window == 0 or step <= start:
         return 1.0
     return max(0.0, (max_steps + 1 - step) / (window + 1))
 

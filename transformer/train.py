@@ -208,6 +208,11 @@ class Trainer:
                 part.load_state_dict(state[name])
         except (RuntimeError, ValueError, KeyError) as err:
             raise TrainError(f"{path}: does not fit this run: {err}") from None
+        # The saved lr was computed for the next update under the saved max_steps; with a
+        # cooldown, a new max_steps changes it: recompute it under today's schedule.
+        for group, schedule in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas,
+                                   strict=True):  # fmt: skip
+            group["lr"] = group["initial_lr"] * schedule(self.scheduler.last_epoch)
         self.saved_step = self.progress.step
         log.info("resumed from %s at step %d", path, self.progress.step)
 
