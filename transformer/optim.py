@@ -63,6 +63,13 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def resync_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> None:
+    """After loading a saved optimizer and schedule: the next update's lr under today's
+    schedule, not the one saved (which a changed max_steps moves, with a cooldown)."""
+    for group, schedule in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["lr"] = group["initial_lr"] * schedule(scheduler.last_epoch)
+
+
 def clip_gradients(model: torch.nn.Module, clip_norm: float) -> torch.Tensor:
     """The global gradient norm (always, for the log and the finiteness check); clipped to
     `clip_norm` when it is > 0. After DDP's all-reduce every rank holds the same gradients."""

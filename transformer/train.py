@@ -74,7 +74,7 @@ from transformer.metrics import (
     setup_logging,
 )
 from transformer.model import Transformer
-from transformer.optim import build_optimizer, clip_gradients
+from transformer.optim import build_optimizer, clip_gradients, resync_lr
 from transformer.validate import EarlyStopping, validate
 from transformer.vocab import PAD, VocabError, load_spm
 
@@ -208,11 +208,7 @@ class Trainer:
                 part.load_state_dict(state[name])
         except (RuntimeError, ValueError, KeyError) as err:
             raise TrainError(f"{path}: does not fit this run: {err}") from None
-        # The saved lr was computed for the next update under the saved max_steps; with a
-        # cooldown, a new max_steps changes it: recompute it under today's schedule.
-        for group, schedule in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas,
-                                   strict=True):  # fmt: skip
-            group["lr"] = group["initial_lr"] * schedule(self.scheduler.last_epoch)
+        resync_lr(self.optimizer, self.scheduler)
         self.saved_step = self.progress.step
         log.info("resumed from %s at step %d", path, self.progress.step)
 
