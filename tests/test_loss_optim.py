@@ -42,8 +42,8 @@ def test_fused_loss_equals_cross_entropy_over_the_full_logits(eps, monkeypatch):
     assert not nll.requires_grad  # reported, never optimised
     got = torch.autograd.grad(loss * 3.0, [hidden, weight])
     want = torch.autograd.grad(expected * 3.0, [hidden, weight])
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, want, strict=True):  # fp32 rounding, on the gradient's scale
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
 
 
 def test_fused_loss_under_bf16_autocast_projects_in_bf16_and_softmaxes_in_fp32():

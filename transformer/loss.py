@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer.kernels import linear
+
 CHUNK_LOGITS = 1 << 26  # logits per chunk: 256 MB in fp32, whatever the vocabulary
 
 
@@ -53,8 +55,8 @@ class _FusedProjectionLoss(torch.autograd.Function):
                 dz = _chunk(h[rows], w, target[rows], eps, sums)
                 if grad:
                     dz = dz.to(h.dtype)  # (c, V)
-                    grad_h[rows] = dz @ w  # (c, D)
-                    grad_w += (dz.t() @ h[rows]).float()  # (V, D)
+                    grad_h[rows] = linear(dz, w.t())  # dz @ w: (c, D)
+                    grad_w += linear(h[rows].t(), dz.t()).t().float()  # dz^T @ h: (V, D)
         loss, nll = sums.unbind()
         ctx.mark_non_differentiable(nll)
         if grad:
@@ -69,7 +71,7 @@ class _FusedProjectionLoss(torch.autograd.Function):
 
 def _chunk(h: Tensor, w: Tensor, target: Tensor, eps: float, sums: Tensor) -> Tensor:
     """Adds this chunk's loss and NLL to `sums`; returns d(loss)/d(logits) (c, V), fp32."""
-    logp = F.log_softmax((h @ w.t()).float(), dim=-1)  # (c, V)
+    logp = F.log_softmax(linear(h, w).float(), dim=-1)  # (c, V)
     nll = -logp.gather(1, target[:, None]).squeeze(1)  # (c,)
     smooth = -logp.mean(dim=-1)  # (c,): cross-entropy against the uniform distribution
     sums += torch.stack([((1.0 - eps) * nll + eps * smooth).sum(), nll.sum()])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer.config import ModelConfig
+from transformer.kernels import Dropout, Linear, linear
 from transformer.kv_cache import KVCache, SelfAttentionKV
 
 
@@ -35,8 +36,8 @@ class MultiHeadAttention(nn.Module):
         self.attn_dropout, self.causal = attn_dropout, causal
         # W^Q, W^K, W^V of all heads stacked in one (3D, D) matrix, nn.MultiheadAttention's
         # layout: self-attention projects in one matmul, cross-attention splits Q from K, V.
-        self.in_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)  # W^O
+        self.in_proj = Linear(d_model, 3 * d_model)
+        self.out_proj = Linear(d_model, d_model)  # W^O
 
     def forward(
         self,
@@ -74,10 +75,10 @@ class MultiHeadAttention(nn.Module):
             return q, k, v
         d = x.size(-1)
         w, b = self.in_proj.weight, self.in_proj.bias
-        (q,) = self._heads(F.linear(x, w[:d], b[:d]))  # (B, h, T, d_k)
+        (q,) = self._heads(linear(x, w[:d], b[:d]))  # (B, h, T, d_k)
         if cache:  # encoder-decoder keys and values: computed once per sentence
             return q, cache["k"], cache["v"]
-        k, v = self._heads(F.linear(memory, w[d:], b[d:]))  # 2 x (B', h, S, d_k)
+        k, v = self._heads(linear(memory, w[d:], b[d:]))  # 2 x (B', h, S, d_k)
         if cache is not None:
             cache.update(k=k, v=v)
         return q, k, v
@@ -92,8 +93,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, relu_dropout: float):
         super().__init__()
-        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(relu_dropout)
+        self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
+        self.dropout = Dropout(relu_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(self.dropout(F.relu(self.w1(x))))  # (B, T, d_ff) -> (B, T, D)
@@ -106,7 +107,7 @@ class Residual(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.norm_first = cfg.norm_first
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
@@ -158,14 +159,14 @@ class Transformer(nn.Module):
         embedding = lambda: nn.Embedding(vocab_size, d, padding_idx=pad_id)
         self.src_embed = embedding()
         self.tgt_embed = self.src_embed if cfg.share_embeddings else embedding()
-        self.out_proj = nn.Linear(d, vocab_size, bias=False)
+        self.out_proj = Linear(d, vocab_size, bias=False)
         if cfg.share_embeddings:
             self.out_proj.weight = self.src_embed.weight
         # Table 3 row (E): learned positions instead of sinusoids, one table per side.
         learned = cfg.positional == "learned"
         self.src_pos = nn.Embedding(cfg.max_positions, d) if learned else None
         self.tgt_pos = nn.Embedding(cfg.max_positions, d) if learned else None
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
         # Pre-norm leaves the residual stream unnormalised: normalise each stack's output.

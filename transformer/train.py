@@ -63,6 +63,7 @@ from transformer.distributed import (
     shutdown,
 )
 from transformer.files import CHECKPOINTS, SPM_MODEL, atomic_write
+from transformer.kernels import describe as describe_products
 from transformer.lifecycle import StopSignal, die_with_parent, prepare_run_dir
 from transformer.loss import label_smoothed_loss
 from transformer.metrics import (
@@ -361,6 +362,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info(describe_attention(env.device))
+        log.info(describe_products(env.device))
         log.info("rank %d of %d on %s; model: %.2fM parameters",
                  env.rank, env.world_size, env.device, n_params / 1e6)  # fmt: skip
         if env.device.type == "cpu" and cfg.precision != "fp32":

@@ -1,0 +1,81 @@
+"""transformer.kernels: oneDNN matrix products and uniform-draw dropout on the CPU are
+F.linear and F.dropout in what they compute, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer import kernels
+from transformer.kernels import Dropout, Linear, linear
+
+needs_onednn = pytest.mark.skipif(not kernels.ONEDNN, reason="this torch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 7)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_is_f_linear_forward_and_backward_through_onednn(shape, bias):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    w = torch.randn(4, 7, requires_grad=True)
+    b = torch.randn(4, requires_grad=True) if bias else None
+    y = linear(x, w, b)
+    assert type(y.grad_fn).__name__ == "_OneDNNLinearBackward"  # not a silent F.linear
+    want = F.linear(x, w, b)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    leaves = [t for t in (x, w, b) if t is not None]
+    got = torch.autograd.grad(y, leaves, g)
+    for a, e in zip(got, torch.autograd.grad(want, leaves, g), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        assert a.is_contiguous()  # the optimizer's layout, no copy at accumulation
+
+
+@needs_onednn
+def test_linear_takes_strided_weights_as_the_loss_passes_them():
+    # loss.py: dz @ W as linear(dz, W^T); dz^T @ h as linear(h^T, dz^T)^T; a weight slice.
+    torch.manual_seed(0)
+    dz, w, h = torch.randn(6, 11), torch.randn(11, 8), torch.randn(6, 8)
+    torch.testing.assert_close(linear(dz, w.t()), dz @ w)
+    torch.testing.assert_close(linear(h.t(), dz.t()).t(), dz.t() @ h)
+    torch.testing.assert_close(linear(h, w[3:7]), h @ w[3:7].t())
+
+
+def test_linear_keeps_f_linear_where_onednn_does_not_apply():
+    x, w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True), torch.randn(2, 4)
+    y = linear(x, w.double())  # fp64: not oneDNN's
+    assert type(y.grad_fn).__name__ != "_OneDNNLinearBackward"
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast decides the dtype
+        assert linear(x.float(), w).dtype == torch.bfloat16
+
+
+def test_linear_module_is_nn_linear_with_its_state_dict():
+    layer = Linear(4, 3)
+    assert isinstance(layer, torch.nn.Linear)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_dropout_drops_p_and_scales_the_rest_and_backward_uses_the_same_mask():
+    torch.manual_seed(0)
+    drop = Dropout(0.3)
+    x = torch.ones(200_000, requires_grad=True)
+    y = drop(x)
+    kept = y != 0
+    assert abs(1 - kept.float().mean().item() - 0.3) < 0.005  # 60k draws: 4.5 sigma
+    torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / 0.7))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, kept.float() / 0.7)
+    torch.manual_seed(0)
+    assert torch.equal(drop(x), y)  # the default generator: seeded runs repeat
+    drop.eval()
+    assert torch.equal(drop(x), x)
+
+
+def test_describe_names_what_runs_the_products():
+    line = kernels.describe("cpu")
+    assert ("oneDNN" in line) == kernels.ONEDNN
+    assert "F.linear" in kernels.describe("cuda")
