@@ -57,7 +57,7 @@ class Dropout(nn.Dropout):
 def describe(device: torch.device | str) -> str:
     """One line for a log: what runs the matrix products."""
     if torch.device(device).type == "cpu" and ONEDNN:
-        return "matrix products: oneDNN in fp32 (transformer/linear.py), not torch's MKL"
+        return "matrix products: oneDNN in fp32 (transformer/kernels.py), not torch's MKL"
     return "matrix products: torch's F.linear"
 
 
