@@ -79,3 +79,40 @@ def test_describe_names_what_runs_the_products():
     line = kernels.describe("cpu")
     assert ("oneDNN" in line) == kernels.ONEDNN
     assert "F.linear" in kernels.describe("cuda")
+
+
+@pytest.mark.parametrize("queries", [1, 4, 9])
+@pytest.mark.parametrize("masked", ["none", "padding", "per-query"])
+def test_attention_is_sdpa_for_a_decoding_step_and_falls_back_beyond(queries, masked, monkeypatch):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, queries, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
+    mask = {
+        "none": None,
+        "padding": torch.arange(6) < torch.tensor([6, 3, 1])[:, None, None, None],  # (3,1,1,6)
+        "per-query": torch.rand(3, 1, queries, 6) < 0.7,
+    }[masked]
+    if mask is not None:
+        mask = mask | (torch.arange(6) == 0)  # every row keeps a key, as the model's masks do
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if queries <= kernels.FEW_QUERIES:  # the step's own path, not a silent SDPA
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("SDPA called for a decoding step")
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
+    with torch.no_grad():
+        got = kernels.attention(q, k, v, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_keeps_sdpa_for_training():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 3, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    y = kernels.attention(q, k, v, is_causal=False)
+    assert "ScaledDotProduct" in type(y.grad_fn).__name__  # the fused kernel and its backward
+    torch.manual_seed(1)
+    dropped = kernels.attention(q.detach(), k, v, dropout_p=0.5)
+    torch.manual_seed(1)
+    want = F.scaled_dot_product_attention(q.detach(), k, v, dropout_p=0.5)
+    torch.testing.assert_close(dropped, want)

@@ -13,6 +13,10 @@ Dropout (`Dropout`): torch's CPU dropout draws its mask with bernoulli_, ~4x slo
 uniform draw and a comparison; on a CPU the mask is drawn so (same distribution, same
 generator). On a GPU it is F.dropout's fused kernel.
 
+Attention (`attention`): F.scaled_dot_product_attention, except for a decoding step on a CPU
+(a few queries, no gradient), where SDPA's flash kernel, tiled for long blocks of queries,
+is ~1.5x slower than one product, a softmax and a second product.
+
 Decoding, validation and training on a CPU all run through here: a training step of the
 Multi30k model is 1.5x faster than with torch's defaults (benchmarks/model_step.py).
 """
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ONEDNN = torch.backends.mkldnn.is_available()
+FEW_QUERIES = 8  # a beam of up to 8 hypotheses at one step, as decode.py's steps query
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -54,6 +59,26 @@ class Dropout(nn.Dropout):
         return x * keep.mul_(1.0 / (1.0 - self.p))
 
 
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+) -> Tensor:
+    """F.scaled_dot_product_attention's contract (q (..., L, d), k, v (..., S, d); a boolean
+    `mask` broadcast to (..., L, S), True = may attend), without its `scale` argument."""
+    if not _few_queries(q, k, v) or dropout_p or is_causal:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+        )
+    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (..., L, S)
+    if mask is not None:  # every row keeps a key: its own position, or a sentence's EOS
+        scores.masked_fill_(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
 def describe(device: torch.device | str) -> str:
     """One line for a log: what runs the matrix products."""
     if torch.device(device).type == "cpu" and ONEDNN:
@@ -68,6 +93,15 @@ def _onednn(x: Tensor, weight: Tensor) -> bool:
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
+    )
+
+
+def _few_queries(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.size(-2) <= FEW_QUERIES
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     )
 
 

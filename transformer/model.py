@@ -2,9 +2,10 @@
 
 Read top to bottom: positions, attention, feed-forward, the residual wrapper, encoder and
 decoder layers, the model with `encode()` / `decode()` (the cache for step-by-step
-decoding is in kv_cache.py). Shapes: B batch, S source length, T target length, D d_model, h heads,
-d_k = D / h, V vocabulary. Padding masks are boolean with True = pad (as in PyTorch);
-F.scaled_dot_product_attention takes the opposite convention (True = may attend).
+decoding is in kv_cache.py). Shapes: B batch, S source length, T target length, D d_model,
+h heads, d_k = D / h, V vocabulary. Padding masks are boolean with True = pad (as in PyTorch);
+F.scaled_dot_product_attention (and kernels.attention) take the opposite convention
+(True = may attend).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer.config import ModelConfig
-from transformer.kernels import Dropout, Linear, linear
+from transformer.kernels import Dropout, Linear, attention, linear
 from transformer.kv_cache import KVCache, SelfAttentionKV
 
 
@@ -59,9 +60,7 @@ class MultiHeadAttention(nn.Module):
         elif key_padding is not None:
             mask = ~key_padding[:, None, None, :]  # (B', 1, 1, S), broadcast over heads, queries
         drop = self.attn_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=drop, is_causal=is_causal
-        )  # (B', h, g*T, d_k)
+        y = attention(q, k, v, mask, drop, is_causal)  # SDPA; (B', h, g*T, d_k)
         y = y.unflatten(2, (-1, x.size(1))).permute(0, 2, 3, 1, 4)  # (B', g, T, h, d_k)
         return self.out_proj(y.reshape(x.shape))  # heads concatenated: (B, T, D)
 
