@@ -3,11 +3,12 @@
 Matrix products (`linear`, `Linear`): torch's PyPI CPU wheels run F.linear and `@` on MKL,
 which picks its kernels by CPU vendor: on AMD CPUs it runs its AVX2 kernels. oneDNN, which
 torch also ships (and CTranslate2 runs on AMD CPUs), picks by instruction set: on this
-project's shapes it is ~2.2x faster on an AMD EPYC core, with the same results up to fp32
-rounding (benchmarks/cpu_gemm.py; results in benchmarks/results/). oneDNN's linear (the op
-torch.compile's CPU backend calls) has no autograd formula, so `_OneDNNLinear` gives it one
-in two more oneDNN products. Anywhere else (GPU, bf16, autocast, torch.compile tracing, a
-torch without oneDNN) it is F.linear.
+project's shapes it is ~2.2x faster on an AMD EPYC family 26 (Zen 5) core, and 1.0-1.5x on
+family 25 (Zen 4), whose 256-bit units MKL's AVX2 kernels already nearly fill; the same
+results up to fp32 rounding (benchmarks/cpu_gemm.py; results in benchmarks/results/).
+oneDNN's linear (the op torch.compile's CPU backend calls) has no autograd formula, so
+`_OneDNNLinear` gives it one in two more oneDNN products. Anywhere else (GPU, bf16,
+autocast, torch.compile tracing, a torch without oneDNN) it is F.linear.
 
 Dropout (`Dropout`): torch's CPU dropout draws its mask with bernoulli_, ~4x slower than a
 uniform draw and a comparison; on a CPU the mask is drawn so (same distribution, same
@@ -18,7 +19,8 @@ Attention (`attention`): F.scaled_dot_product_attention, except for a decoding s
 is ~1.5x slower than one product, a softmax and a second product.
 
 Decoding, validation and training on a CPU all run through here: a training step of the
-Multi30k model is 1.5x faster than with torch's defaults (benchmarks/model_step.py).
+Multi30k model is 1.5x faster than with torch's defaults on the Zen 5 core
+(benchmarks/model_step.py).
 """
 
 from __future__ import annotations
@@ -97,8 +99,11 @@ def _onednn(x: Tensor, weight: Tensor) -> bool:
 
 
 def _few_queries(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    # Compiled code keeps SDPA: a branch on the query length would guard the graph on it,
+    # one more compilation for every length that crosses FEW_QUERIES.
     return (
-        q.device.type == "cpu"
+        not torch.compiler.is_compiling()
+        and q.device.type == "cpu"
         and q.dtype == torch.float32
         and q.size(-2) <= FEW_QUERIES
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
