@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -125,8 +126,11 @@ def test_int8_export_translates_mostly_as_ours(smoke_model, smoke, greedy, ct2_d
     out = export_model(smoke_model, "ctranslate2", tmp_path / "int8", quantization="int8")
     assert (out / "model.bin").stat().st_size < (ct2_dir / "model.bin").stat().st_size / 2
     theirs = ct2_translate(out, sp, TEST_SET, beam_size=1)
-    # 270 of 300 equal on one machine; int8 kernels differ by CPU, a wrong model gives ~0.
-    assert sum(a == b for a, b in zip(greedy, theirs, strict=True)) >= 0.7 * len(TEST_SET)
+    # int8 kernels differ by CPU, and one flipped greedy choice changes the rest of a
+    # sentence: 270 of 300 outputs equal ours on an AVX-512 machine, 129 (BLEU 61.6 against
+    # ours) on an AVX2-only AMD EPYC (family 25, model 1); unrelated sentences of this toy
+    # language score 6.5 (the outputs shifted by one).
+    assert sacrebleu.corpus_bleu(theirs, [greedy]).score >= 40
 
 
 def test_huggingface_logits_and_greedy_outputs_are_ours(smoke, greedy, hf_dir):
