@@ -7,8 +7,11 @@ project's shapes it is ~2.2x faster on an AMD EPYC family 26 (Zen 5) core, and 1
 family 25 (Zen 4), whose 256-bit units MKL's AVX2 kernels already nearly fill; the same
 results up to fp32 rounding (benchmarks/cpu_gemm.py; results in benchmarks/results/).
 oneDNN's linear (the op torch.compile's CPU backend calls) has no autograd formula, so
-`_OneDNNLinear` gives it one in two more oneDNN products. Anywhere else (GPU, bf16,
-autocast, torch.compile tracing, a torch without oneDNN) it is F.linear.
+`_OneDNNLinear` gives it one in two more oneDNN products. On a CPU without AVX-512 both
+libraries run AVX2 kernels: there oneDNN is no faster on large products and up to 2.4x
+slower on the few rows of a decoding step (it reorders the weights at each call; AMD EPYC
+family 25 model 1), so it is not used. Anywhere else (GPU, bf16, autocast, torch.compile
+tracing, a torch without oneDNN) it is F.linear.
 
 Dropout (`Dropout`): torch's CPU dropout draws its mask with bernoulli_, ~4x slower than a
 uniform draw and a comparison; on a CPU the mask is drawn so (same distribution, same
@@ -29,7 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ONEDNN = torch.backends.mkldnn.is_available()
+# oneDNN for fp32 products on a CPU with AVX-512 (see the module docstring).
+ONEDNN = (
+    torch.backends.mkldnn.is_available() and "AVX512" in torch.backends.cpu.get_cpu_capability()
+)
 FEW_QUERIES = 8  # a beam of up to 8 hypotheses at one step, as decode.py's steps query
 
 
