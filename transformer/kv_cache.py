@@ -19,7 +19,7 @@ class KVCache:
     sentence) share a row of the cache:
     - encoder-decoder attention: (B', h, S, d_k) per layer, from the memory on the first
       `decode()`;
-    - self-attention: (B', 2, h, slots, d_k) per layer (`SelfAttentionKV`), preallocated
+    - self-attention: (2, B', h, slots, d_k) per layer (`SelfAttentionKV`), preallocated
       for `max_len` positions. Each decode() appends its T positions' slots, position by
       position, g per position (row j's at j), and they stay there. A row attends to the
       slots of its own past, which `visible` (B, slots) marks, so reordering the rows moves
@@ -93,9 +93,12 @@ class KVCache:
 
 
 class SelfAttentionKV:
-    """One layer's self-attention keys and values, (B', 2, h, slots, d_k), in the slots that
-    its KVCache assigns. Dropping rows or slots copies into a spare buffer, which then
-    takes over: after the first time, into memory already mapped (fresh memory costs a
+    """One layer's self-attention keys and values, (2, B', h, slots, d_k), in the slots that
+    its KVCache assigns. Keys first, then values: the filled slots of each are then a view
+    whose (B', h) dimensions merge into one batch dimension, which the attention's batched
+    products take as it is (with keys and values interleaved per row they copied every
+    filled slot at every step). Dropping rows or slots copies into a spare buffer, which
+    then takes over: after the first time, into memory already mapped (fresh memory costs a
     page fault per 4 KB the first time it is written)."""
 
     def __init__(self, cache: KVCache):
@@ -111,32 +114,35 @@ class SelfAttentionKV:
         """Store the new positions' k, v (B, h, T, d_k); return those of all filled slots."""
         c, (b, h, t, d_k) = self.cache, k.shape
         if self.kv is None or self.kv.size(3) < c.visible.size(1):
-            self._grow(k.new_empty(b // c.group, 2, h, c.visible.size(1), d_k))
+            shape = (2, b // c.group, h, c.visible.size(1), d_k)
+            self._grow(k.new_empty(shape), c.filled - t * c.group)
         new = self.kv[:, :, :, c.filled - t * c.group : c.filled].unflatten(3, (t, c.group))
         for i, x in enumerate((k, v)):  # (B, h, T, d_k) -> (B', h, T, g, d_k)
-            new[:, i] = x.unflatten(0, (-1, c.group)).permute(0, 2, 3, 1, 4)
-        return self.kv[:, 0, :, : c.filled], self.kv[:, 1, :, : c.filled]  # (B', h, slots, d_k)
+            new[i] = x.unflatten(0, (-1, c.group)).permute(0, 2, 3, 1, 4)
+        return self.kv[0, :, :, : c.filled], self.kv[1, :, :, : c.filled]  # (B', h, slots, d_k)
 
-    def _grow(self, kv: Tensor) -> None:
+    def _grow(self, kv: Tensor, filled: int) -> None:
+        """Move to the larger `kv` with the `filled` slots in use, not the whole old buffer
+        (at beam search's second step: the first step's one slot, not its reservation)."""
         if self.kv is not None:
-            kv[:, :, :, : self.kv.size(3)] = self.kv
+            kv[:, :, :, :filled] = self.kv[:, :, :, :filled]
         self.kv, self.spare = kv, None
 
     def keep(self, sources: Tensor) -> None:
         """Keep source rows `sources` (B',)."""
         old, filled = self._swap(sources.size(0)), self.cache.filled
-        torch.index_select(old[:, :, :, :filled], 0, sources, out=self.kv[:, :, :, :filled])
+        torch.index_select(old[:, :, :, :filled], 1, sources, out=self.kv[:, :, :, :filled])
 
     def compact(self, slots: Tensor) -> None:
         """Keep slots `slots` (B', n) of each row, in that order."""
-        (b, _, h, _, d_k), n = self.kv.shape, slots.size(1)
-        old, index = self._swap(b), slots[:, None, None, :, None].expand(b, 2, h, n, d_k)
+        (_, b, h, _, d_k), n = self.kv.shape, slots.size(1)
+        old, index = self._swap(b), slots[None, :, None, :, None].expand(2, b, h, n, d_k)
         torch.gather(old, 3, index, out=self.kv[:, :, :, :n])
 
     def _swap(self, b: int) -> Tensor:
         """Make b rows of the spare buffer the keys and values; return the old ones."""
         old, spare = self.kv, self.spare
-        if spare is None or spare.size(0) < b:
-            spare = old.new_empty(b, *old.shape[1:])
-        self.kv, self.spare = spare[:b], old
+        if spare is None or spare.size(1) < b:
+            spare = old.new_empty(2, b, *old.shape[2:])
+        self.kv, self.spare = spare[:, :b], old
         return old

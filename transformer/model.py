@@ -78,7 +78,8 @@ class MultiHeadAttention(nn.Module):
         if cache:  # encoder-decoder keys and values: computed once per sentence
             return q, cache["k"], cache["v"]
         k, v = self._heads(linear(memory, w[d:], b[d:]))  # 2 x (B', h, S, d_k)
-        if cache is not None:
+        if cache is not None:  # contiguous once, rather than copied by each step's products
+            k, v = k.contiguous(), v.contiguous()
             cache.update(k=k, v=v)
         return q, k, v
 
