@@ -8,7 +8,7 @@ family 25 (Zen 4), whose 256-bit units MKL's AVX2 kernels already nearly fill; t
 results up to fp32 rounding (benchmarks/cpu_gemm.py; results in benchmarks/results/).
 oneDNN's linear (the op torch.compile's CPU backend calls) has no autograd formula, so
 `_OneDNNLinear` gives it one in two more oneDNN products. On a CPU without AVX-512 both
-libraries run AVX2 kernels: there oneDNN is no faster on large products and up to 2.4x
+libraries run AVX2 kernels: there oneDNN is no faster on large products and up to 2.5x
 slower on the few rows of a decoding step (it reorders the weights at each call; AMD EPYC
 family 25 model 1), so it is not used. Anywhere else (GPU, bf16, autocast, torch.compile
 tracing, a torch without oneDNN) it is F.linear.
