@@ -135,6 +135,32 @@ def test_cache_under_beam_search_reorders_equals_full_decoding(g, steps, reorder
 
 
 @torch.no_grad()
+def test_cached_steps_give_attention_keys_and_values_it_takes_without_a_copy(monkeypatch):
+    """A step's batched attention products take the cache's keys and values as views: their
+    (sentences, heads) dimensions merge into one. Keys interleaved with values per sentence,
+    or heads left permuted, made every step copy every cached position first."""
+    from transformer import kernels
+    from transformer import model as model_module
+
+    model, src, g = tiny(), tokens(2, 6), 4
+    memory, padding = model.encode(src), src == PAD
+    calls = []
+
+    def spy(q, k, v, *args):
+        for t in (k, v):
+            t.view(-1, *t.shape[-2:])  # raises where the two dimensions do not merge
+        calls.append(k.size(-2))
+        return kernels.attention(q, k, v, *args)
+
+    monkeypatch.setattr(model_module, "attention", spy)
+    cache, swap = model.new_cache(8), torch.tensor([1, 0, 3, 2, 5, 4, 7, 6])  # within groups
+    for _ in range(5):
+        model.decode(torch.full((2 * g, 1), BOS), memory, padding, cache)
+        cache.reorder(swap)
+    assert len(calls) == 5 * 2 * len(model.decoder)  # self- and cross-attention, every layer
+
+
+@torch.no_grad()
 def test_attention_equals_torch_multihead_attention():
     torch.manual_seed(0)
     ours = MultiHeadAttention(32, 4, attn_dropout=0.0).eval()
