@@ -220,15 +220,14 @@ def bench(name, model: Transformer, sources, pieces, cfg, args, random_weights: 
     best = {}
     for _ in range(args.repeat):
         for mode in modes:
-            seconds, tokens, outputs = go[mode](sources)
-            if mode not in best or seconds < best[mode][0]:
-                best[mode] = (seconds, tokens, outputs)
+            result = go[mode](sources)  # (seconds, tokens, outputs)
+            best[mode] = min(best.get(mode, result), result, key=lambda r: r[0])
     for mode, (seconds, tokens, _) in best.items():
         print(
             f"{mode:<16}{seconds:>9.2f}{len(sources) / seconds:>9.1f}{tokens / seconds:>10.0f}"
             f"{tokens / len(sources):>10.1f}"
         )
-    compare({m: (s, out) for m, (s, _, out) in best.items()}, len(sources), random_weights)
+    compare(best, len(sources), random_weights)
 
 
 def compare(results: dict, n: int, random_weights: bool) -> None:
@@ -236,7 +235,7 @@ def compare(results: dict, n: int, random_weights: bool) -> None:
     pairs = [("beam", "ct2-beam"), ("beam-early", "ct2-beam"), ("greedy", "ct2-greedy")]
     pairs = [pair for pair in pairs if set(pair) <= results.keys()]
     for ours, theirs in pairs:
-        (ours_s, ours_out), (theirs_s, theirs_out) = results[ours], results[theirs]
+        (ours_s, _, ours_out), (theirs_s, _, theirs_out) = results[ours], results[theirs]
         line = f"ours / ctranslate2 sent/s, {ours} / {theirs}: {theirs_s / ours_s:.2f}"
         if not random_weights:
             line += f"; outputs equal to ours: {sum(map(list.__eq__, ours_out, theirs_out))}/{n}"
