@@ -4,6 +4,7 @@ report a GPU machine makes cannot rot between the times one is lent."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,22 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# What the GPU machines' image lacks of this project's dependencies, beyond what `make
+# gpu-wheels` carries there (pydantic, CTranslate2, sacremoses): its package list, read
+# 2026-11-17 (the device tool's KINDS.md), holds torch, transformers, sentencepiece,
+# pyarrow, sacrebleu, pyyaml, numpy, tqdm, matplotlib, psutil and pytest, not these. The
+# report runs here with them unimportable, so that it runs there.
+NOT_ON_GPU_IMAGE = ("prefect", "mlflow", "datasets", "fastapi", "sqlalchemy")
+BLOCKER = """\
+import importlib.abc, sys
+
+class NotOnGpuImage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"{{name}}: not on the GPU image", name=name)
+
+sys.meta_path.insert(0, NotOnGpuImage())
+"""
 SECTIONS = [
     "environment",
     "train step",
@@ -23,16 +40,26 @@ SECTIONS = [
 ]
 
 
-def report(*args: str) -> subprocess.CompletedProcess:
+def report(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def as_on_gpu_image(folder: Path) -> dict:
+    """An environment in which NOT_ON_GPU_IMAGE cannot be imported, by the report and by
+    every Python process it starts (a sitecustomize module on PYTHONPATH)."""
+    (folder / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(NOT_ON_GPU_IMAGE)))
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path)
 
 
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory) -> tuple[Path, str]:
-    """The report folder of one `--device cpu --tiny` run, and what the run printed."""
+    """The report folder of one `--device cpu --tiny` run, and what the run printed, run
+    without the packages that the GPU machines' image lacks."""
     out = tmp_path_factory.mktemp("gpu_report") / "report"
-    done = report("--device", "cpu", "--tiny", "--out", str(out))
+    env = as_on_gpu_image(tmp_path_factory.mktemp("gpu_image"))
+    done = report("--device", "cpu", "--tiny", "--out", str(out), env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return out, done.stdout
 
@@ -66,6 +93,17 @@ def test_each_section_measures_what_it_names(tiny_report):
     assert sections["decode"]["tables"][""][0]["sent/s"] > 0
     assert sections["checkpoint"]["tables"][""][0]["GB"] > 0
     assert sections["bf16 vs fp32"]["notes"][0].startswith(("agree", "DISAGREE"))
+    (counts,) = sections["gpu tests"]["tables"]["counts"]  # every gpu test module imports
+    assert counts["failed"] == counts["error"] == 0 and sum(counts.values()) > 0
+
+
+def test_the_report_runs_where_the_gpu_image_lacks_packages(tmp_path):
+    """The tiny report's environment really hides them (else it proves nothing)."""
+    env = as_on_gpu_image(tmp_path)
+    for name in NOT_ON_GPU_IMAGE:
+        done = subprocess.run([sys.executable, "-c", f"import {name}"], env=env, cwd=ROOT,
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 1 and f"{name}: not on the GPU image" in done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a CUDA device that is absent")
