@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # gpu-wheels` carries there (pydantic, CTranslate2, sacremoses): its package list, read
 # 2026-11-17 (the device tool's KINDS.md), holds torch, transformers, sentencepiece,
 # pyarrow, sacrebleu, pyyaml, numpy, tqdm, matplotlib, psutil and pytest, not these. The
-# report runs here with them unimportable, so that it runs there.
+# report runs here with them unimportable, so that it runs there; and, as there, with this
+# project not installed (the checkout is copied, not pip-installed): it finds its own code.
 NOT_ON_GPU_IMAGE = ("prefect", "mlflow", "datasets", "fastapi", "sqlalchemy")
 BLOCKER = """\
 import importlib.abc, sys
@@ -27,7 +28,10 @@ class NotOnGpuImage(importlib.abc.MetaPathFinder):
         if name.partition(".")[0] in {blocked!r}:
             raise ModuleNotFoundError(f"{{name}}: not on the GPU image", name=name)
 
-sys.meta_path.insert(0, NotOnGpuImage())
+editable = lambda f: "__editable__" in getattr(f, "__module__", "")  # pip install -e's hooks
+sys.meta_path[:] = [NotOnGpuImage(), *(f for f in sys.meta_path if not editable(f))]
+sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]
+sys.path_importer_cache.clear()
 """
 SECTIONS = [
     "environment",
@@ -98,12 +102,16 @@ def test_each_section_measures_what_it_names(tiny_report):
 
 
 def test_the_report_runs_where_the_gpu_image_lacks_packages(tmp_path):
-    """The tiny report's environment really hides them (else it proves nothing)."""
+    """The tiny report's environment really hides them and this project's installation
+    (else it proves nothing)."""
     env = as_on_gpu_image(tmp_path)
     for name in NOT_ON_GPU_IMAGE:
         done = subprocess.run([sys.executable, "-c", f"import {name}"], env=env, cwd=ROOT,
                               capture_output=True, text=True)  # fmt: skip
         assert done.returncode == 1 and f"{name}: not on the GPU image" in done.stderr
+    done = subprocess.run([sys.executable, "-c", "import transformer"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 1 and "No module named 'transformer'" in done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a CUDA device that is absent")
