@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from transformer.config import Params, ShardConfig, load_params  # noqa: E402
 from transformer.vocab import BOS, EOS, PAD, UNK  # noqa: E402
 
-PEAK_FLOPS = 790e12  # bf16 dense peak the MFU is measured against
+PEAK_FLOPS = 790e12  # MFU's reference: model_step.PEAK_TFLOPS says why
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 # name: (params file, overrides). A peer pair differs in one setting, measured side by side.
 CPU_CASES = {
@@ -190,9 +190,10 @@ def measure(
     work: Path,
     threads: int = 0,
     cpu: bool = False,
+    timeout: float | None = None,
 ) -> dict:
     """Run one case in a fresh process (its own peak memory) and read its JSON line;
-    `cpu`: hide the GPUs from it."""
+    `cpu`: hide the GPUs from it; `timeout`: seconds, then the case fails."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -202,7 +203,12 @@ def measure(
     cmd += ["--shards", str(shards), "--work", str(work), "--steps", str(steps)]
     cmd += ["--overrides", *overrides]
     Path(work).mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    try:
+        done = subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"case {name} did not finish in {timeout:.0f} s") from None
     if done.returncode != 0:
         raise RuntimeError(f"case {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

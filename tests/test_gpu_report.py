@@ -3,8 +3,11 @@ report a GPU machine makes cannot rot between the times one is lent."""
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +86,7 @@ def test_the_tiny_cpu_report_writes_every_section(tiny_report):
         ["not measured (see its section)"] * 3 + ["not judged: --tiny sizes"] * 2
     )
     assert data["command"].endswith(f"--device cpu --tiny --out {out}")  # beside its figures
+    assert data["complete"] and "Unfinished" not in markdown
     assert not list(out.glob(".work-*"))  # its temporary files are gone
 
 
@@ -118,3 +122,64 @@ def test_the_report_runs_where_the_gpu_image_lacks_packages(tmp_path):
 def test_asking_for_an_absent_gpu_is_a_usage_error():
     done = report("--device", "cuda")
     assert done.returncode == 2 and "--device cuda: no CUDA device" in done.stderr
+
+
+def test_a_report_stopped_from_outside_keeps_the_sections_it_finished(tmp_path):
+    """As the GPU machine's time limit stops it: killed once its first section is done."""
+    out = tmp_path / "report"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "--device", "cpu",
+           "--tiny", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("environment: "), first
+    finally:
+        proc.kill()
+        proc.wait()
+    data = json.loads((out / "report.json").read_text())
+    assert list(data["sections"]) == ["environment"] and not data["complete"]
+    assert data["sections"]["environment"]["status"] == "ok"
+    assert "Unfinished" in (out / "report.md").read_text()
+
+
+@pytest.fixture
+def gpu_report(monkeypatch):
+    """benchmarks/gpu_report.py imported in this process."""
+    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "benchmarks/gpu_report.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_report", module)  # its dataclasses look there
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts benchmarks/ on the path
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_gpu_test_is_in_the_module_the_report_runs(gpu_report):
+    """The report runs `pytest -m gpu` on one module (the others import what a GPU image
+    lacks): a test marked gpu anywhere else would never run there."""
+    marks = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bmark\.gpu\b)", re.M)
+    marked = [p.name for p in (ROOT / "tests").glob("test_*.py") if marks.search(p.read_text())]
+    assert marked == [Path(gpu_report.GPU_TESTS).name]
+
+
+def test_the_default_attention_row_lifts_the_restriction_and_only_it(gpu_report):
+    """The "torch default attention" decode row runs beam search without search.py's
+    sdpa_kernel restriction (which the search enters itself); the rows after it keep it."""
+    from transformer import search
+
+    cuda = torch.device("cuda")  # attention_context restricts on CUDA only
+    lifted = gpu_report.unrestricted(lambda: type(search.attention_context(cuda)).__name__)
+    assert lifted == "nullcontext"
+    assert type(search.attention_context(cuda)).__name__ != "nullcontext"
+
+
+def test_ctranslate2_without_cuda_12_cublas_is_a_skipped_peer(gpu_report):
+    """CTranslate2's wheels load libcublas.so.12; beside CUDA 13 that is a skip that says
+    so, not a failure."""
+    try:
+        ctypes.CDLL("libcublas.so.12")
+        pytest.skip("this machine has libcublas.so.12")
+    except OSError:
+        pass
+    row = gpu_report.peer({"search": "beam 4, CTranslate2"}, gpu_report.needs_cublas12)
+    assert row["status"].startswith("skipped: CTranslate2 ")
+    assert "loads libcublas.so.12 (CUDA 12)" in row["status"]
