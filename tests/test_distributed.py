@@ -16,7 +16,8 @@ from transformer import checkpoint as ckpt
 from transformer.distributed import all_gather_objects, all_reduce_sum, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# 2 CPU ranks (gloo) on any host: on a CUDA host with one GPU, rank 1 would ask for cuda:1.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
 # Dropout 0: the ranks' dropout streams differ from the single process's.
 SAME_UPDATES = [
     "model.dropout=0.0",

@@ -46,6 +46,23 @@ def test_fused_loss_equals_cross_entropy_over_the_full_logits(eps, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
 
 
+def test_fused_loss_under_no_grad_computes_no_gradient(monkeypatch):
+    """Validation's loss: the same sums, one product per chunk instead of three (the
+    gradient's two are skipped although the weights require grad)."""
+    monkeypatch.setitem(loss_module.CHUNK_LOGITS, "cpu", 7 * 11)  # 5 chunks of 7 rows
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(30, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    target = torch.randint(0, 11, (30,))
+    calls, real = [], loss_module.linear
+    monkeypatch.setattr(loss_module, "linear", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        sums = label_smoothed_loss(hidden, weight, target, 0.1)
+    assert len(calls) == 5
+    assert all(not t.requires_grad for t in sums)
+    torch.testing.assert_close(sums, label_smoothed_loss(hidden, weight, target, 0.1))
+    assert len(calls) == 5 + 15
+
+
 def test_fused_loss_under_bf16_autocast_projects_in_bf16_and_softmaxes_in_fp32():
     torch.manual_seed(0)
     hidden, weight = torch.randn(12, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)

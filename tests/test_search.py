@@ -5,6 +5,7 @@ trained smoke model."""
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -427,3 +428,26 @@ def test_decode_benchmark_runs_and_outputs_end_with_their_sources():
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("beam", "greedy"))]
     assert [r[0] for r in rows] == ["beam", "greedy"]
     assert all(float(r[-1]) == pytest.approx(source_len, abs=0.051) for r in rows)
+
+
+def test_decoding_on_cuda_keeps_the_cast_weights_of_autocast():
+    """Under inference_mode, autocast casts every weight again at every call (torch keeps
+    no cast weights there); under no_grad it casts each once. Counted with the CPU's
+    autocast (the same cache); the search on CUDA, in bf16 autocast, uses no_grad."""
+    from torch.profiler import profile
+
+    from transformer.search import _inference
+
+    layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+
+    def casts(mode) -> int:
+        with profile() as prof, mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in range(5):
+                layer(x)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+    assert casts(torch.inference_mode) == 15 and casts(torch.no_grad) == 7  # x 5, w, b once
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # autocast("cuda") without a GPU: off, with a warning
+        with _inference(torch.device("cuda")):
+            assert not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

@@ -368,7 +368,9 @@ def _trainer(tiny_params, tiny_shards, run_dir, *overrides) -> train_module.Trai
 def test_an_update_reads_the_device_once(tiny_params, tiny_shards, tmp_path, monkeypatch):
     """One host sync per update (the finiteness check reads the update's sums back): on a
     GPU every other sync stalls the queue of kernels. Counted on the CPU as the syncs a GPU
-    would make: reads of a tensor's value (.item(), bool(), float(), .tolist())."""
+    would make: reads of a tensor's value (.item(), bool(), float(), .tolist()), and
+    tensors made of host values (`t[i] = x`, torch.tensor(x): a copy from pageable host
+    memory, which waits for the device's queue)."""
     t = _trainer(tiny_params, tiny_shards, tmp_path / "run", "train.batch_tokens=512",
                  "train.clip_norm=1.0")  # two micro-batches, clipping on  # fmt: skip
     batches = iter(t.loader)
@@ -380,14 +382,16 @@ def test_an_update_reads_the_device_once(tiny_params, tiny_shards, tmp_path, mon
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda x: reads.append("tolist") or real_tolist(x))
 
+    syncs = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default)
+
     class CountReads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
+            if func in syncs:
                 reads.append(str(func))
             return func(*args, **(kwargs or {}))
 
     with CountReads():
-        result = t.step(micro, stop_requested=False)
+        result = t.step(micro, stop_requested=True)
     t.loader.close()
     assert result.ok and t.update_freq == 2
     assert reads == ["tolist"], reads

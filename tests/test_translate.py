@@ -115,7 +115,8 @@ def test_a_lowercased_model_lowercases_its_input_and_others_do_not(model_file, t
     )
     src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
     src.write_text("\n".join(cased) + "\n", encoding="utf-8")
-    assert main(["--model", str(lowered), "--input", str(src), "--output", str(hyp)]) == 0
+    cli = ["--model", str(lowered), "--input", str(src), "--output", str(hyp), "--device", "cpu"]
+    assert main(cli) == 0
     expected = translate_lines(model, sp, [line.lower() for line in cased], params.decode, "cpu")
     assert hyp.read_text(encoding="utf-8").splitlines() == expected
     _, plain, _ = load_translator(model_file, "cpu")  # cased: what it is given
@@ -133,7 +134,8 @@ def test_beam_one_is_greedy_and_outputs_are_detokenized(model_file):
 def test_command_line_file_to_file(model_file, tmp_path):
     src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
     src.write_text("\n".join(LINES) + "\n", encoding="utf-8")
-    assert main(["--model", str(model_file), "--input", str(src), "--output", str(hyp)]) == 0
+    cli = ["--model", str(model_file), "--input", str(src), "--output", str(hyp), "--device", "cpu"]
+    assert main(cli) == 0  # on a CUDA host the default device decodes in bf16: not comparable
     model, sp, params = load_translator(model_file, "cpu")
     expected = translate_lines(model, sp, LINES, params.decode, "cpu")
     assert hyp.read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
@@ -143,6 +145,7 @@ def test_command_line_early_stop_option_sets_the_search_rule(model_file, tmp_pat
     src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
     src.write_text("\n".join(LINES) + "\n", encoding="utf-8")
     argv = ["--model", str(model_file), "--input", str(src), "--output", str(hyp)]
+    argv += ["--device", "cpu"]  # as the reference below
     # On this random model both rules may give the same outputs: see the rule reach the search.
     rules, search = [], translate_module.beam_search
     monkeypatch.setattr(
@@ -186,6 +189,7 @@ def test_nbest_lists_the_beams_best_hypotheses_in_moses_format(model_file, tmp_p
     src, hyp = tmp_path / "src.txt", tmp_path / "nbest.txt"
     src.write_text("\n".join(LINES[:3]) + "\n", encoding="utf-8")
     argv = ["--model", str(model_file), "--input", str(src), "--output", str(hyp)]
+    argv += ["--device", "cpu"]  # scores compared with a CPU fp32 search below
     assert main([*argv, "--nbest", "3", "--beam", "4"]) == 0
     entries = [line.split(" ||| ") for line in hyp.read_text(encoding="utf-8").splitlines()]
     assert [e[0] for e in entries] == ["0"] * 3 + ["1"] + ["2"] * 3  # line 1 is empty
@@ -209,7 +213,7 @@ def test_options_override_the_params_and_batches_do_not_change_outputs(model_fil
     argv = ["--model", str(model_file), "--input", str(src), "--output", str(hyp)]
     assert main([*argv, "--device", "cpu"]) == 0
     default = hyp.read_text(encoding="utf-8")
-    assert main([*argv, "--batch-size", "1", "--max-tokens", "100"]) == 0
+    assert main([*argv, "--device", "cpu", "--batch-size", "1", "--max-tokens", "100"]) == 0
     assert hyp.read_text(encoding="utf-8") == default
     assert main([*argv, "--max-len-a", "0", "--max-len-b", "2", "--lenpen", "1.0"]) == 0
     _, sp, _ = load_translator(model_file, "cpu")

@@ -38,15 +38,17 @@ def label_smoothed_loss(
     weight (V, D): the pre-softmax projection; target (N,). Under autocast the projection
     runs in the autocast dtype and the softmax in fp32. The NLL carries no gradient.
     """
-    return _FusedProjectionLoss.apply(hidden, weight, target, eps)
+    # Grad mode read here: forward() runs with it off, and needs_input_grad stays True under
+    # no_grad (validation would compute, and throw away, two more products per chunk).
+    return _FusedProjectionLoss.apply(hidden, weight, target, eps, torch.is_grad_enabled())
 
 
 class _FusedProjectionLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, eps: float):
+    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, eps: float, grad_mode: bool):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad = grad_mode and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         with torch.autocast(device, enabled=False):
             h = hidden if dtype is None else hidden.to(dtype)  # (N, D)
             w = weight if dtype is None else weight.to(dtype)  # (V, D)
@@ -70,7 +72,7 @@ class _FusedProjectionLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
 
 
 def _chunk(h: Tensor, w: Tensor, target: Tensor, eps: float, sums: Tensor) -> Tensor:

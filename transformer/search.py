@@ -113,10 +113,14 @@ class _Decoder:
 
 def _inference(device: torch.device):
     stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode())
     stack.enter_context(attention_context(device))  # no cuDNN plan per new key length
     if device.type == "cuda":
+        # no_grad, not inference_mode: under inference_mode autocast keeps no cast weights
+        # and would cast every weight to bf16 again at every step (tests/test_search.py).
+        stack.enter_context(torch.no_grad())
         stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+    else:
+        stack.enter_context(torch.inference_mode())
     return stack
 
 

@@ -251,7 +251,7 @@ class Trainer:
             sums[0] += loss.detach()
             sums[1] += nll
         grad_norm = clip_gradients(self.model, self.cfg.clip_norm)
-        sums[2] = float(stop_requested)
+        sums[2].fill_(float(stop_requested))  # sums[2] = x would copy x from the host: a sync
         all_reduce_sum(sums)
         loss, nll, stop, n_tokens, norm = torch.cat([sums, tokens[None], grad_norm[None]]).tolist()
         ok = math.isfinite(loss) and math.isfinite(norm)  # the same on every rank
