@@ -1,8 +1,10 @@
 """Decoding speed: sentences/s and target tokens/s of beam search with the params' decode
 section (the paper's beam 4, alpha 0.6, input length + 50) against its peers in the same
 run: greedy search, beam search without the key/value cache (the decoder re-run over the
-whole prefix every step), and CTranslate2's beam and greedy search on the same weights
-(exported with transformer.export), inputs, batches, beam size and number of threads.
+whole prefix every step), CTranslate2's beam and greedy search on the same weights
+(exported with transformer.export), inputs, batches, beam size and number of threads, and
+Hugging Face's MarianMTModel.generate on the same weights (hf-beam: the model that
+`transformer.export --format huggingface` writes).
 
     python benchmarks/decode.py                                  # smoke model, CPU
     python benchmarks/decode.py --configs smoke,base,big --device cuda
@@ -150,12 +152,49 @@ def run_ctranslate2(translator, sources, pieces, cfg: DecodeConfig, mode: str, f
     return time.perf_counter() - start, tokens, outputs
 
 
-MODES = ("beam", "beam-early", "greedy", "beam-uncached", "ct2-beam", "ct2-greedy")
+def marian_generator(model: Transformer, cfg: DecodeConfig, device: str):
+    """Hugging Face's MarianMTModel with the same weights (transformer.export's mapping,
+    what `--format huggingface` writes), in bf16 on CUDA."""
+    from transformer.export import marian_model
+
+    marian = marian_model(model, cfg).to(device).eval()
+    return marian.to(torch.bfloat16) if device == "cuda" else marian
+
+
+def run_marian(marian, sources, cfg: DecodeConfig, fixed: bool, device: str):
+    """As `run`, with MarianMTModel.generate's beam search; `fixed`: each output is as long
+    as its batch's sources (as run_ctranslate2)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start, tokens, outputs = time.perf_counter(), 0, [[] for _ in sources]
+    for batch in batch_by_tokens(sources, cfg.max_tokens):
+        src = pad_batch([sources[j] for j in batch], device)
+        longest = src.size(1)  # EOS included
+        steps = longest if fixed else int(cfg.max_len_a * longest + cfg.max_len_b) + 1
+        with torch.inference_mode():
+            out = marian.generate(
+                input_ids=src,
+                attention_mask=src != PAD,
+                max_length=steps + 1,  # BOS included
+                min_length=longest + 1 if fixed else 0,
+                early_stopping=True,  # done once beam_size hypotheses finished
+            )
+        for j, row in zip(batch, out[:, 1:].tolist(), strict=True):  # after BOS
+            end = row.index(EOS) if EOS in row else len([t for t in row if t != PAD])
+            outputs[j] = row[:end]
+            tokens += min(end + 1, len(row))  # EOS counted, where it came
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, tokens, outputs
+
+
+MODES = ("beam", "beam-early", "greedy", "beam-uncached", "ct2-beam", "ct2-greedy", "hf-beam")
 DIFFERENCES = """\
 ct2-*: CTranslate2. Its length penalty divides by len^alpha (len without EOS), ours by GNMT's
   ((5 + len) / 6)^alpha (len with EOS); its beam search ends a sentence once beam_size
   hypotheses finished, as ours with early_stop="beam" (beam-early); ours by default
-  (beam) ends it once none can still beat the best finished one."""
+  (beam) ends it once none can still beat the best finished one. hf-beam: Hugging Face's
+  MarianMTModel.generate on the same weights, CTranslate2's length penalty and stopping."""
 
 
 def bench_config(name: str, args: argparse.Namespace) -> None:
@@ -165,7 +204,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     model = Transformer(params.model, params.vocab.size, pad_id=PAD).to(args.device).eval()
     sources = wmt_like_sources(args.sentences, params.vocab.size, seed=0)
     cfg = decode_config(params, args)
-    if any(m.startswith("ct2") for m in args.modes.split(",")):
+    if any(m.startswith(("ct2", "hf")) for m in args.modes.split(",")):
         sources = even_batches(sources, cfg.max_tokens, params.vocab.size, seed=1)
     # CTranslate2 takes token strings: the special ones by name, made-up ones for the rest.
     pieces = ["<pad>", "<unk>", "<s>", "</s>", *(f"w{i}" for i in range(4, params.vocab.size))]
@@ -206,12 +245,16 @@ def bench(name, model: Transformer, sources, pieces, cfg, args, random_weights: 
     searcher = EndsWithSource(model) if random_weights else model
     if any(m.startswith("ct2") for m in modes):
         translator = ctranslate2_translator(model, pieces, args.device)
+    if "hf-beam" in modes:
+        marian = marian_generator(model, cfg, args.device)
     go = {}
     for mode in modes:
         if mode.startswith("ct2"):
             go[mode] = lambda s, m=mode: run_ctranslate2(
                 translator, s, pieces, cfg, m, random_weights
             )
+        elif mode == "hf-beam":
+            go[mode] = lambda s: run_marian(marian, s, cfg, random_weights, args.device)
         else:
             go[mode] = lambda s, m=mode: run(searcher, s, cfg, m, args.device)
         go[mode](sources[:16])  # warm-up
@@ -233,14 +276,16 @@ def bench(name, model: Transformer, sources, pieces, cfg, args, random_weights: 
 def compare(results: dict, n: int, random_weights: bool) -> None:
     """Ours against CTranslate2, mode by mode: speed, and (trained model) equal outputs."""
     pairs = [("beam", "ct2-beam"), ("beam-early", "ct2-beam"), ("greedy", "ct2-greedy")]
+    pairs += [("beam", "hf-beam"), ("beam-early", "hf-beam")]
     pairs = [pair for pair in pairs if set(pair) <= results.keys()]
     for ours, theirs in pairs:
         (ours_s, _, ours_out), (theirs_s, _, theirs_out) = results[ours], results[theirs]
-        line = f"ours / ctranslate2 sent/s, {ours} / {theirs}: {theirs_s / ours_s:.2f}"
+        peer = "ctranslate2" if theirs.startswith("ct2") else "marian"
+        line = f"ours / {peer} sent/s, {ours} / {theirs}: {theirs_s / ours_s:.2f}"
         if not random_weights:
             line += f"; outputs equal to ours: {sum(map(list.__eq__, ours_out, theirs_out))}/{n}"
         print(line)
-    if any(m.startswith("ct2") for m in results):
+    if any(m.startswith(("ct2", "hf")) for m in results):
         print(DIFFERENCES)
         if random_weights:
             print("  Random weights: every output of both ends at its (evened) source's length.")

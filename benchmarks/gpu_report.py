@@ -20,7 +20,8 @@ Sections, in the order they run:
 - train loop: transformer.train's own loop with data loading on synthetic shards
   (benchmarks/train_throughput.py);
 - decode: beam-4 sentences/s of base and big (and the smoke model on the CPU) beside
-  CTranslate2 on the same weights (benchmarks/decode.py's functions);
+  CTranslate2 and Hugging Face's MarianMTModel.generate on the same weights
+  (benchmarks/decode.py's functions; CTranslate2's wheels need CUDA 12's cuBLAS);
 - bf16 vs fp32: the loss curves of both precisions overfitting one batch;
 - checkpoint: seconds to save a training state of big and a model snapshot;
 - gpu tests: `pytest -m gpu` in a subprocess;
@@ -626,12 +627,13 @@ def decode(run: Run) -> Result:
     for name, where, n in run.plan.decode_cases:
         case = decode_case(run, name, run.on(where), n)
         rows += case
-        ours, ct2 = case[0], case[-1]
-        if "sent/s" in ours and "sent/s" in ct2:
-            notes.append(
-                f"{name} on {ours['device']}: ours / CTranslate2 = "
-                f"{ours['sent/s'] / ct2['sent/s']:.2f}x sentences/s"
-            )
+        ours, marian, ct2 = case[0], case[2], case[3]
+        for peer_row, peer_name in ((ct2, "CTranslate2"), (marian, "MarianMTModel")):
+            if "sent/s" in ours and "sent/s" in peer_row:
+                notes.append(
+                    f"{name} on {ours['device']}: ours / {peer_name} = "
+                    f"{ours['sent/s'] / peer_row['sent/s']:.2f}x sentences/s"
+                )
     notes += [
         "random weights, WMT-like random sources (lognormal lengths, mean ~27 subwords), "
         "each batch's sources evened to its longest and every output ending where its source "
@@ -665,11 +667,15 @@ def decode_case(run: Run, name: str, device: torch.device, n: int) -> list[dict]
     else:
         default["status"] = "skipped: on CPU attention.py leaves torch's choice as it is"
     pieces = ["<pad>", "<unk>", "<s>", "</s>", *(f"w{i}" for i in range(4, vocab))]
+    marian = peer(
+        {**row, "search": "beam 4, MarianMTModel (transformers)"},
+        lambda: marian_rate(model, sources, cfg, dev),
+    )
     ct2 = peer(
         {**row, "search": "beam 4, CTranslate2"},
         lambda: ctranslate2_rate(model, sources, pieces, cfg, dev),
     )
-    return [ours, default, ct2]
+    return [ours, default, marian, ct2]
 
 
 def rate(go: Callable, sources: list, warm_up: bool = False) -> dict:
@@ -690,6 +696,12 @@ def ctranslate2_rate(model, sources, pieces, cfg, dev: str) -> dict:
         needs_cublas12()
     translator = decode_bench.ctranslate2_translator(model, pieces, dev)
     go = lambda s: decode_bench.run_ctranslate2(translator, s, pieces, cfg, "ct2-beam", True)
+    return rate(go, sources, warm_up=True)
+
+
+def marian_rate(model, sources, cfg, dev: str) -> dict:
+    marian = decode_bench.marian_generator(model, cfg, dev)
+    go = lambda s: decode_bench.run_marian(marian, s, cfg, True, dev)
     return rate(go, sources, warm_up=True)
 
 

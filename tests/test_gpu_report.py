@@ -98,7 +98,9 @@ def test_each_section_measures_what_it_names(tiny_report):
     assert {"ours", "torch.nn.Transformer"} <= {r["model"] for r in steps}
     assert all(r["tgt_tok/s"] > 0 for r in steps if "status" not in r)
     assert sections["train loop"]["tables"][""][0]["tgt tok/s"] > 0
-    assert sections["decode"]["tables"][""][0]["sent/s"] > 0
+    decode = {r["search"]: r for r in sections["decode"]["tables"][""]}
+    assert decode["beam 4, ours"]["sent/s"] > 0
+    assert decode["beam 4, MarianMTModel (transformers)"]["sent/s"] > 0  # the GPU's peer
     assert sections["checkpoint"]["tables"][""][0]["GB"] > 0
     assert sections["bf16 vs fp32"]["notes"][0].startswith(("agree", "DISAGREE"))
     (counts,) = sections["gpu tests"]["tables"]["counts"]  # every gpu test module imports

@@ -294,21 +294,9 @@ def _norm(spec, w: dict, name: str) -> None:
 
 
 def _write_huggingface(model: Transformer, sp, decode, out: Path) -> None:
-    from transformers import GenerationConfig, MarianMTModel, MarianTokenizer
+    from transformers import MarianTokenizer
 
-    marian = MarianMTModel(marian_config(model))
-    marian.load_state_dict(marian_weights(model), strict=True)
-    marian.generation_config = GenerationConfig(
-        decoder_start_token_id=BOS,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        suppress_tokens=[PAD, BOS],
-        num_beams=decode.beam_size,
-        length_penalty=decode.len_penalty,
-        max_length=model.cfg.max_positions,  # Marian has no position past its table
-    )
-    marian.save_pretrained(out)
+    marian_model(model, decode).save_pretrained(out)
     for weights in out.glob("*.safetensors"):  # written 0600: give them the umask's mode
         weights.chmod((out / "config.json").stat().st_mode)
     vocab = vocabulary(sp)
@@ -326,6 +314,25 @@ def _write_huggingface(model: Transformer, sp, decode, out: Path) -> None:
         model_max_length=model.cfg.max_positions,
     )
     tokenizer.save_pretrained(out)
+
+
+def marian_model(model: Transformer, decode):
+    """Hugging Face's MarianMTModel with `model`'s weights, generating as `decode` says."""
+    from transformers import GenerationConfig, MarianMTModel
+
+    marian = MarianMTModel(marian_config(model))
+    marian.load_state_dict(marian_weights(model), strict=True)
+    marian.generation_config = GenerationConfig(
+        decoder_start_token_id=BOS,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        suppress_tokens=[PAD, BOS],
+        num_beams=decode.beam_size,
+        length_penalty=decode.len_penalty,
+        max_length=model.cfg.max_positions,  # Marian has no position past its table
+    )
+    return marian
 
 
 def marian_config(model: Transformer):
