@@ -17,6 +17,7 @@ all three run under transformer.attention's choice of attention kernels.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 import warnings
 from collections.abc import Callable
@@ -192,7 +193,8 @@ def make_step(net: nn.Module, optimizer, bf16: bool) -> Callable[[Batch], Tensor
 def time_steps(steps: dict[str, Callable], batches: list[Batch], warmup: int, device):
     """Seconds each step function spends on batches[warmup:], or why it could not finish.
     The models take turns batch by batch, so that the changing load of a shared machine
-    falls on all of them alike; one that runs out of memory drops out, the others go on."""
+    falls on all of them alike; one that fails (out of memory, or an error of its own)
+    drops out, the others go on."""
     seconds: dict[str, float | str] = dict.fromkeys(steps, 0.0)
     for i, batch in enumerate(batches):
         for label, step in steps.items():
@@ -203,12 +205,22 @@ def time_steps(steps: dict[str, Callable], batches: list[Batch], warmup: int, de
                 start = time.perf_counter()
                 step(batch)
                 sync(device)
-            except torch.cuda.OutOfMemoryError:
-                seconds[label] = f"failed: out of memory at {batch[0].numel()} padded source tokens"
-                torch.cuda.empty_cache()
+            except Exception as err:
+                seconds[label] = failure(err, batch)
+            else:
+                seconds[label] += (time.perf_counter() - start) * (i >= warmup)
                 continue
-            seconds[label] += (time.perf_counter() - start) * (i >= warmup)
+            gc.collect()  # the failed step's activations, its traceback gone
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return seconds
+
+
+def failure(err: Exception, batch: Batch) -> str:
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        return f"failed: out of memory at {batch[0].numel()} padded source tokens"
+    lines = str(err).strip().splitlines()
+    return f"failed: {type(err).__name__}: {lines[0] if lines else ''}"
 
 
 def sync(device: torch.device) -> None:
@@ -243,6 +255,8 @@ def measure(
             nets[label] = build(label, params, device, seed)
         except ImportError as err:
             missing[label] = f"skipped: {err.name} not installed"
+        except Exception as err:  # a peer that cannot be built here: a finding, not the end
+            missing[label] = failure(err, batches[0])
     bf16, step_fns = device.type == "cuda", {}
     for label, net in nets.items():
         adam = build_optimizer(net, params.train, params.model.d_model)[0] if optimizer else None

@@ -3,10 +3,13 @@ library that breaks them fails here, not on the next GPU machine."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -24,6 +27,25 @@ def test_model_step_measures_the_three_peers():
               "--max-tokens", "128", "--device", "cpu", "--optimizer")  # fmt: skip
     assert "ours / torch.nn.Transformer = " in out
     assert "ours / MarianMTModel = " in out or "skipped: transformers" in out
+
+
+def test_a_peer_that_fails_drops_out_and_the_others_are_timed(monkeypatch):
+    """On a GPU machine a peer's own error (a library version, say) is a row's status, not
+    the end of the train-step section."""
+    spec = importlib.util.spec_from_file_location("model_step", ROOT / "benchmarks/model_step.py")
+    model_step = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "model_step", model_step)
+    spec.loader.exec_module(model_step)
+
+    def broken(batch):
+        raise RuntimeError("no kernel for this\nsecond line")
+
+    batches = [(torch.zeros(2, 3),)] * 3
+    seconds = model_step.time_steps(
+        {"ours": lambda b: None, "peer": broken}, batches, 1, torch.device("cpu")
+    )
+    assert seconds["peer"] == "failed: RuntimeError: no kernel for this"
+    assert isinstance(seconds["ours"], float)
 
 
 def test_train_throughput_runs_the_real_loop_on_a_synthetic_corpus(tmp_path):
