@@ -237,11 +237,7 @@ def peer(row: dict, measure: Callable[[], dict]) -> dict:
     except Skipped as why:
         return {**row, "status": f"skipped: {why}"}
     except Exception as err:  # a peer's failure is a finding, not the end of the section
-        return {**row, "status": f"failed: {type(err).__name__}: {first_line(err)}"}
-
-
-def first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return {**row, "status": model_step.failure(err)}
 
 
 def sync(device: torch.device) -> None:
@@ -426,7 +422,7 @@ def backend_times(backend: SDPBackend, kind: str, warm: list, sweep: list, run: 
             cold = [timed(call, run.device) for call in calls]
             again = [timed(call, run.device) for call in calls]
         except RuntimeError as err:
-            return {"status": f"unsupported: {first_line(err)[:80]}"}
+            return {"status": f"unsupported: {model_step.first_line(err)[:80]}"}
     return {
         "ms at shape": ms,
         "new shapes": len(sweep),
@@ -890,7 +886,7 @@ def run_section(fn: Callable[[Run], Result], run: Run) -> dict:
     except Skipped as why:
         result, status = Result(), f"skipped: {why}"
     except Exception as err:  # the other sections still run: a 9-minute report is not lost
-        result, status = Result(), f"failed: {type(err).__name__}: {first_line(err)[:300]}"
+        result, status = Result(), model_step.failure(err)[:320]
         trace = traceback.format_exc()
     finally:
         gc.collect()

@@ -216,11 +216,15 @@ def time_steps(steps: dict[str, Callable], batches: list[Batch], warmup: int, de
     return seconds
 
 
-def failure(err: Exception, batch: Batch) -> str:
-    if isinstance(err, torch.cuda.OutOfMemoryError):
+def failure(err: Exception, batch: Batch | None = None) -> str:
+    """A row's status for a peer that raised `err` (at `batch`, if in a step)."""
+    if isinstance(err, torch.cuda.OutOfMemoryError) and batch is not None:
         return f"failed: out of memory at {batch[0].numel()} padded source tokens"
-    lines = str(err).strip().splitlines()
-    return f"failed: {type(err).__name__}: {lines[0] if lines else ''}"
+    return f"failed: {type(err).__name__}: {first_line(err)}"
+
+
+def first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else ""
 
 
 def sync(device: torch.device) -> None:
@@ -256,7 +260,7 @@ def measure(
         except ImportError as err:
             missing[label] = f"skipped: {err.name} not installed"
         except Exception as err:  # a peer that cannot be built here: a finding, not the end
-            missing[label] = failure(err, batches[0])
+            missing[label] = failure(err)
     bf16, step_fns = device.type == "cuda", {}
     for label, net in nets.items():
         adam = build_optimizer(net, params.train, params.model.d_model)[0] if optimizer else None

@@ -37,7 +37,7 @@ def validate(
     model.eval()
     try:
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # nll, tokens
-        n_tokens = 0  # counted on the host: a tensor made of it each batch would be a sync
+        counted = 0  # target tokens, on the host: a tensor made of it each batch is a sync
         with torch.no_grad():
             for batch in valid_batches(valid, params, env):
                 batch = batch.to(env.device)
@@ -47,8 +47,8 @@ def validate(
                 targets = batch.tgt_out.flatten().index_select(0, batch.tgt_positions)
                 _, nll = label_smoothed_loss(rows, model.out_proj.weight, targets, 0.0)
                 sums[0] += nll.double()
-                n_tokens += batch.n_tgt_tokens
-        sums[1].fill_(n_tokens)
+                counted += batch.n_tgt_tokens
+        sums[1].fill_(counted)
         nll_sum, n_tokens = all_reduce_sum(sums).tolist()
         loss = nll_sum / n_tokens
         metrics = {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 100.0))}
