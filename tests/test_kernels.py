@@ -91,7 +91,10 @@ def test_describe_names_what_runs_the_products():
 
 @pytest.mark.parametrize("queries", [1, 4, 9])
 @pytest.mark.parametrize("masked", ["none", "padding", "per-query"])
-def test_attention_is_sdpa_for_a_decoding_step_and_falls_back_beyond(queries, masked, monkeypatch):
+@pytest.mark.parametrize("additive", [False, True], ids=["boolean", "additive"])
+def test_attention_is_sdpa_for_a_decoding_step_and_falls_back_beyond(
+    queries, masked, additive, monkeypatch
+):
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 2, queries, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
     mask = {
@@ -101,6 +104,8 @@ def test_attention_is_sdpa_for_a_decoding_step_and_falls_back_beyond(queries, ma
     }[masked]
     if mask is not None:
         mask = mask | (torch.arange(6) == 0)  # every row keeps a key, as the model's masks do
+        if additive:  # SDPA's other kind, which the KV cache and cached decoding make
+            mask = torch.where(mask, 0.0, float("-inf"))
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if queries <= kernels.FEW_QUERIES:  # the step's own path, not a silent SDPA
 

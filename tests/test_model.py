@@ -8,7 +8,7 @@ from torch import nn
 
 from transformer.config import ModelConfig, TrainConfig, load_params
 from transformer.loss import label_smoothed_loss
-from transformer.model import MultiHeadAttention, Transformer
+from transformer.model import MultiHeadAttention, Transformer, key_mask
 from transformer.optim import build_optimizer
 from transformer.vocab import BOS, PAD
 
@@ -172,11 +172,14 @@ def test_attention_equals_torch_multihead_attention():
     x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
     padding = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
     expected, _ = ref(x, memory, memory, key_padding_mask=padding)
-    torch.testing.assert_close(ours(x, memory, padding), expected, atol=1e-5, rtol=1e-5)
+    for additive in (False, True):  # SDPA's mask kinds, both of which the model makes
+        got = ours(x, memory, key_mask(padding, additive))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # Encoder self-attention (cross-attention's weight split must not matter) and masked.
     x_padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
     expected, _ = ref(x, x, x, key_padding_mask=x_padding)
-    torch.testing.assert_close(ours(x, key_padding=x_padding), expected, atol=1e-5, rtol=1e-5)
+    got = ours(x, mask=key_mask(x_padding, additive=False))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     ours.causal = True
     future = torch.ones(5, 5, dtype=torch.bool).triu(1)
     expected, _ = ref(x, x, x, attn_mask=future)

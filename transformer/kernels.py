@@ -61,7 +61,9 @@ class Dropout(nn.Dropout):
     """nn.Dropout; on a CPU, its mask from a uniform draw rather than bernoulli_."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.p == 0.0 or x.device.type != "cpu":
+        if not self.training or self.p == 0.0:
+            return x  # not even F.dropout's no-op: ~10 dispatched calls a decoding step
+        if x.device.type != "cpu":
             return super().forward(x)
         keep = torch.rand_like(x).ge_(self.p)  # 1.0 with probability 1 - p, else 0.0
         return x * keep.mul_(1.0 / (1.0 - self.p))
@@ -75,15 +77,20 @@ def attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
 ) -> Tensor:
-    """F.scaled_dot_product_attention's contract (q (..., L, d), k, v (..., S, d); a boolean
-    `mask` broadcast to (..., L, S), True = may attend), without its `scale` argument."""
+    """F.scaled_dot_product_attention's contract (q (..., L, d), k, v (..., S, d); `mask`
+    broadcast to (..., L, S): boolean, True = may attend, or added to the scores), without
+    its `scale` argument."""
     if not _few_queries(q, k, v) or dropout_p or is_causal:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
         )
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (..., L, S)
-    if mask is not None:  # every row keeps a key: its own position, or a sentence's EOS
+    # Every row keeps a key: its own position, or a sentence's EOS. Adding a mask broadcast
+    # over heads is ~1.4x faster than masked_fill_ with it (its broadcast boolean reads).
+    if mask is not None and mask.dtype == torch.bool:
         scores.masked_fill_(~mask, float("-inf"))
+    elif mask is not None:
+        scores += mask
     return scores.softmax(-1) @ v
 
 

@@ -33,7 +33,7 @@ class KVCache:
         self.self_attn = [SelfAttentionKV(self) for _ in range(n_layers)]
         self.cross_attn: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
         self.visible: Tensor | None = None  # (B, slots), True = in the row's past
-        self.mask: Tensor | None = None  # this decode()'s (B', 1, g * T, slots)
+        self.mask: Tensor | None = None  # this decode()'s (B', 1, g * T, slots), 0 or -inf
 
     def layers(self, tgt_in: Tensor, memory: Tensor) -> list[tuple[SelfAttentionKV, dict]]:
         """Give the T new positions of tgt_in (B, T) their slots, in their rows' past, and
@@ -48,8 +48,11 @@ class KVCache:
         if t > 1:  # a new position sees no later one
             later = torch.arange(self.filled, device=dev) >= new[:, None] + g  # (T, slots)
             seen = seen & ~later  # (B, T, slots)
-        # No mask when each row is alone in its group: it sees all the group's slots.
-        self.mask = None if g == t == 1 else seen.reshape(b // g, 1, g * t, -1)
+        # No mask when each row is alone in its group: it sees all the group's slots. Else
+        # an additive one, made once for all layers (kernels.attention adds it faster than
+        # it masks).
+        seen = seen.reshape(b // g, 1, g * t, -1)
+        self.mask = None if g == t == 1 else torch.where(seen, 0.0, float("-inf"))
         return list(zip(self.self_attn, self.cross_attn, strict=True))
 
     def _reserve(self, b: int, slots: int, device: torch.device) -> None:
@@ -110,15 +113,15 @@ class SelfAttentionKV:
     def mask(self) -> Tensor:
         return self.cache.mask
 
-    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new positions' k, v (B, h, T, d_k); return those of all filled slots."""
-        c, (b, h, t, d_k) = self.cache, k.shape
+    def extend(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new positions' keys and values kv (2, B, h, T, d_k), in one copy;
+        return those of all filled slots."""
+        c, (_, b, h, t, d_k) = self.cache, kv.shape
         if self.kv is None or self.kv.size(3) < c.visible.size(1):
             shape = (2, b // c.group, h, c.visible.size(1), d_k)
-            self._grow(k.new_empty(shape), c.filled - t * c.group)
+            self._grow(kv.new_empty(shape), c.filled - t * c.group)
         new = self.kv[:, :, :, c.filled - t * c.group : c.filled].unflatten(3, (t, c.group))
-        for i, x in enumerate((k, v)):  # (B, h, T, d_k) -> (B', h, T, g, d_k)
-            new[i] = x.unflatten(0, (-1, c.group)).permute(0, 2, 3, 1, 4)
+        new.copy_(kv.unflatten(1, (-1, c.group)).permute(0, 1, 3, 4, 2, 5))  # (2, B', h, T, g, d_k)
         return self.kv[0, :, :, : c.filled], self.kv[1, :, :, : c.filled]  # (B', h, slots, d_k)
 
     def _grow(self, kv: Tensor, filled: int) -> None:

@@ -26,6 +26,14 @@ def sinusoidal(pos: Tensor, d_model: int) -> Tensor:
     return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1)[:, :d_model]  # (T, D)
 
 
+def key_mask(padding: Tensor, additive: bool) -> Tensor:
+    """SDPA's attn_mask from key padding (B, S), True = pad: (B, 1, 1, S), broadcast over
+    heads and queries; boolean (True = may attend), or additive (0, or -inf at padding),
+    which a decoding step on a CPU adds faster than it masks (kernels.attention)."""
+    padding = padding[:, None, None, :]
+    return torch.where(padding, float("-inf"), 0.0) if additive else ~padding
+
+
 class MultiHeadAttention(nn.Module):
     """Sections 3.2.1-3.2.2: h heads of softmax(Q K^T / sqrt(d_k)) V on learned projections
     of the queries, keys and values, concatenated and projected by W^O. Self-attention when
@@ -44,21 +52,20 @@ class MultiHeadAttention(nn.Module):
         self,
         x: Tensor,
         memory: Tensor | None = None,
-        key_padding: Tensor | None = None,
+        mask: Tensor | None = None,
         cache: SelfAttentionKV | dict[str, Tensor] | None = None,
     ) -> Tensor:
-        # x (B, T, D) queries; memory (B', S, D) encoder output; key_padding (B', S), True =
-        # pad. B = B' * g: g consecutive query rows may share a memory row (beam search's
-        # hypotheses of one sentence), and attend to it as its g * T queries.
+        # x (B, T, D) queries; memory (B', S, D) encoder output; mask: SDPA's attn_mask over
+        # the keys, broadcast over heads (and queries): boolean (True = may attend) or
+        # additive (0 or -inf). B = B' * g: g consecutive query rows may share a memory row
+        # (beam search's hypotheses of one sentence), and attend to it as its g * T queries.
         q, k, v = self._project(x, memory, cache)  # (B, h, T, d_k), (B', h, S, d_k) x 2
         q = q.unflatten(0, (k.size(0), -1)).transpose(1, 2).flatten(2, 3)  # (B', h, g*T, d_k)
         # Section 3.2.3: a position sees no later one. Without a cache that is SDPA's own
         # triangle (which lets the flash kernel run on GPU); the cache knows each row's past.
-        mask, is_causal = None, self.causal and cache is None
+        is_causal = self.causal and cache is None
         if self.causal and cache is not None:
-            mask = cache.mask  # (B', 1, g*T, S)
-        elif key_padding is not None:
-            mask = ~key_padding[:, None, None, :]  # (B', 1, 1, S), broadcast over heads, queries
+            mask = cache.mask  # (B', 1, g*T, slots)
         drop = self.attn_dropout if self.training else 0.0
         y = attention(q, k, v, mask, drop, is_causal)  # SDPA; (B', h, g*T, d_k)
         y = y.unflatten(2, (-1, x.size(1))).permute(0, 2, 3, 1, 4)  # (B', g, T, h, d_k)
@@ -68,13 +75,13 @@ class MultiHeadAttention(nn.Module):
         self, x: Tensor, memory: Tensor | None, cache: SelfAttentionKV | dict[str, Tensor] | None
     ):
         if memory is None:
-            q, k, v = self._heads(self.in_proj(x))  # 3 x (B, h, T, d_k)
+            qkv = self._heads(self.in_proj(x))  # (3, B, h, T, d_k)
             if cache is not None:  # the earlier positions' keys and values are cached
-                k, v = cache.extend(k, v)  # 2 x (B', h, slots, d_k)
-            return q, k, v
+                return qkv[0], *cache.extend(qkv[1:])  # (B, h, T, d_k), 2 x (B', h, slots, d_k)
+            return qkv.unbind(0)
         d = x.size(-1)
         w, b = self.in_proj.weight, self.in_proj.bias
-        (q,) = self._heads(linear(x, w[:d], b[:d]))  # (B, h, T, d_k)
+        q = self._heads(linear(x, w[:d], b[:d]))[0]  # (B, h, T, d_k)
         if cache:  # encoder-decoder keys and values: computed once per sentence
             return q, cache["k"], cache["v"]
         k, v = self._heads(linear(memory, w[d:], b[d:]))  # 2 x (B', h, S, d_k)
@@ -83,9 +90,9 @@ class MultiHeadAttention(nn.Module):
             cache.update(k=k, v=v)
         return q, k, v
 
-    def _heads(self, y: Tensor) -> tuple[Tensor, ...]:
-        b, t, _ = y.shape  # (B, T, n * D) -> n x (B, h, T, d_k)
-        return y.view(b, t, -1, self.n_heads, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+    def _heads(self, y: Tensor) -> Tensor:
+        b, t, _ = y.shape  # (B, T, n * D) -> (n, B, h, T, d_k)
+        return y.view(b, t, -1, self.n_heads, self.d_k).permute(2, 0, 3, 1, 4)
 
 
 class FeedForward(nn.Module):
@@ -97,7 +104,8 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(relu_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(self.dropout(F.relu(self.w1(x))))  # (B, T, d_ff) -> (B, T, D)
+        # In place: the product's output is not needed again (a (B, T, d_ff) pass saved).
+        return self.w2(self.dropout(F.relu(self.w1(x), inplace=True)))  # -> (B, T, D)
 
 
 class Residual(nn.Module):
@@ -125,8 +133,8 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
         self.sub = nn.ModuleList(Residual(cfg) for _ in range(2))
 
-    def forward(self, x: Tensor, src_padding: Tensor) -> Tensor:
-        x = self.sub[0](x, lambda h: self.self_attn(h, key_padding=src_padding))
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.sub[0](x, lambda h: self.self_attn(h, mask=src_mask))
         return self.sub[1](x, self.ffn)  # (B, S, D)
 
 
@@ -141,9 +149,9 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
         self.sub = nn.ModuleList(Residual(cfg) for _ in range(3))
 
-    def forward(self, x, memory, src_padding, self_cache=None, cross_cache=None) -> Tensor:
+    def forward(self, x, memory, src_mask, self_cache=None, cross_cache=None) -> Tensor:
         x = self.sub[0](x, lambda h: self.self_attn(h, cache=self_cache))
-        x = self.sub[1](x, lambda h: self.cross_attn(h, memory, src_padding, cross_cache))
+        x = self.sub[1](x, lambda h: self.cross_attn(h, memory, src_mask, cross_cache))
         return self.sub[2](x, self.ffn)  # (B, T, D)
 
 
@@ -208,10 +216,10 @@ class Transformer(nn.Module):
         return self.dropout(table(tokens) * self.cfg.d_model**0.5 + pe)  # (B, T, D)
 
     def encode(self, src: Tensor) -> Tensor:
-        src_padding = src == self.pad_id  # (B, S)
+        src_mask = key_mask(src == self.pad_id, additive=False)
         x = self._embed(src, self.src_embed, self.src_pos, 0)
         for layer in self.encoder:
-            x = layer(x, src_padding)
+            x = layer(x, src_mask)
         return self.enc_norm(x)  # memory (B, S, D)
 
     def decode(
@@ -231,8 +239,9 @@ class Transformer(nn.Module):
         caches = [(None, None)] * len(self.decoder)
         if cache is not None:  # the new positions take their slots in the cache
             caches = cache.layers(tgt_in, memory)
+        src_mask = key_mask(src_padding, additive=cache is not None)
         for layer, (self_cache, cross_cache) in zip(self.decoder, caches, strict=True):
-            x = layer(x, memory, src_padding, self_cache, cross_cache)
+            x = layer(x, memory, src_mask, self_cache, cross_cache)
         x = self.dec_norm(x)
         return self.out_proj(x) if project else x  # logits (B, T, V), or (B, T, D)
 
