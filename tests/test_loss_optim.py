@@ -11,7 +11,7 @@ from torch import nn
 from transformer import loss as loss_module
 from transformer.config import TrainConfig
 from transformer.loss import label_smoothed_loss
-from transformer.optim import build_optimizer, cooldown_factor, inverse_sqrt_schedule
+from transformer.optim import build_optimizer, cooldown_factor, inverse_sqrt_schedule, resync
 
 
 def test_label_smoothing_hand_computed():
@@ -148,3 +148,19 @@ def test_optimizer_and_scheduler_resume_exactly():
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+def test_resumed_optimizer_keeps_this_runs_kernels_not_the_saving_runs():
+    """load_state_dict restores the saved param groups' `fused` flag: a state saved on a CPU
+    (unfused) would step unfused on a GPU. Here the other way round, which a CPU can run:
+    a state saved fused (as on a GPU) resumed on a CPU."""
+    model, optimizer, scheduler = make(0)
+    train_step(model, optimizer, scheduler, torch.randn(2, 4))
+    saved = copy.deepcopy(optimizer.state_dict())
+    for group in saved["param_groups"]:
+        group["fused"] = True  # what build_optimizer gives parameters on a GPU
+    _, optimizer2, scheduler2 = make(1)
+    optimizer2.load_state_dict(saved)
+    assert optimizer2.param_groups[0]["fused"]  # torch's load_state_dict: the saving run's
+    resync(optimizer2, scheduler2)
+    assert [g["fused"] for g in optimizer2.param_groups] == [False]  # this run's: a CPU

@@ -63,11 +63,15 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-def resync_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> None:
+def resync(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> None:
     """After loading a saved optimizer and schedule: the next update's lr under today's
-    schedule, not the one saved (which a changed max_steps moves, with a cooldown)."""
+    schedule, not the one saved (which a changed max_steps moves, with a cooldown), and
+    this run's kernels (fused on a GPU), not the saving run's, which load_state_dict
+    restores: a state saved on a CPU would step unfused on a GPU, and one saved on a GPU
+    fused on a CPU."""
     for group, schedule in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
         group["lr"] = group["initial_lr"] * schedule(scheduler.last_epoch)
+        group.update({key: optimizer.defaults[key] for key in ("fused", "foreach")})
 
 
 def clip_gradients(model: torch.nn.Module, clip_norm: float) -> torch.Tensor:

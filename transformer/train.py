@@ -75,7 +75,7 @@ from transformer.metrics import (
     setup_logging,
 )
 from transformer.model import Transformer
-from transformer.optim import build_optimizer, clip_gradients, resync_lr
+from transformer.optim import build_optimizer, clip_gradients, resync
 from transformer.validate import EarlyStopping, validate
 from transformer.vocab import PAD, VocabError, load_spm
 
@@ -209,7 +209,7 @@ class Trainer:
                 part.load_state_dict(state[name])
         except (RuntimeError, ValueError, KeyError) as err:
             raise TrainError(f"{path}: does not fit this run: {err}") from None
-        resync_lr(self.optimizer, self.scheduler)
+        resync(self.optimizer, self.scheduler)
         self.saved_step = self.progress.step
         log.info("resumed from %s at step %d", path, self.progress.step)
 
