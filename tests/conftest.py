@@ -165,3 +165,18 @@ def smoke_model(tmp_path_factory) -> Path:
     data, run = ["--data", str(work / "shards")], ["--out", str(work / "run")]
     assert train_main([str(params_file), *overrides, *data, *run]) == 0
     return export_average(work / "run", params.average, work / "model.pt")
+
+
+def assert_same_updates(got: dict, want: dict, atol: float) -> None:
+    """Two runs' model state dicts after the same updates, made by different kernels (ranks,
+    compiled code, GPU reductions), agree within `atol`, except W^K's bias (in_proj.bias[D:2D]):
+    softmax ignores it, so its true gradient is 0, and Adam turns whatever rounding is left in
+    it into steps of +-lr (measured: 0.03-0.15 apart after 3 updates of the tiny model, DDP
+    compiled against uncompiled, everything else < 1e-5)."""
+    for key, value in got.items():
+        expected = want[key]
+        if key.endswith("in_proj.bias"):
+            d = value.numel() // 3
+            value = torch.cat([value[:d], value[2 * d :]])
+            expected = torch.cat([expected[:d], expected[2 * d :]])
+        torch.testing.assert_close(value, expected, rtol=0, atol=atol, msg=key)
