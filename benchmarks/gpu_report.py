@@ -373,10 +373,12 @@ def sdpa_call(kind: str, shape: tuple[int, int], run: Run):
     (b, n), train = shape, kind != BEAM
     if kind == BEAM:  # 4 hypotheses a sentence, one new position each, n filled cache slots
         q = torch.randn(b, s.heads, 4, s.d_k, device=dev, dtype=dtype)
-        kv = torch.randn(b, 2, s.heads, n + 8, s.d_k, device=dev, dtype=dtype)[..., :n, :]
-        mask = torch.rand(b, 1, 4, n, device=dev) < 0.7
-        mask[..., -1] = True  # every hypothesis sees at least its own newest slot
-        args, leaves = (q, kv[:, 0], kv[:, 1], mask, False), []
+        kv = torch.randn(2, b, s.heads, n + 8, s.d_k, device=dev, dtype=dtype)[..., :n, :]
+        seen = torch.rand(b, 1, 4, n, device=dev) < 0.7
+        seen[..., -1] = True  # every hypothesis sees at least its own newest slot
+        # The cache's kind of mask, additive, in the dtype autocast gives it.
+        mask = torch.zeros(seen.shape, device=dev, dtype=dtype).masked_fill_(~seen, float("-inf"))
+        args, leaves = (q, kv[0], kv[1], mask, False), []
     else:
         keys = n + n // 8 if kind == CROSS else n  # a source a little longer than the target
         x = torch.randn(b, n, 3, s.heads, s.d_k, device=dev, dtype=dtype, requires_grad=True)

@@ -183,6 +183,25 @@ def rescored(model, src: torch.Tensor, tokens: list[int]) -> float:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_a_state_saved_on_a_cpu_resumes_fused_on_the_gpu(tiny_params, tiny_shards, tmp_path):
+    """The saved param groups say unfused, and load_state_dict would keep that (and leave
+    the step counts on the host, which the fused kernel then reads as device memory)."""
+    out, same = tmp_path / "run", ["model.dropout=0.0", "train.save_every=2"]
+    cpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "transformer.train", str(tiny_params), "--data",
+           str(tiny_shards), "--out", str(out), *same, "train.max_steps=2"]  # fmt: skip
+    done = subprocess.run(cmd, env=cpu, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    argv = [str(tiny_params), "--data", str(tiny_shards), "--out", str(out), *same,
+            "train.max_steps=4"]  # fmt: skip
+    assert train_main(argv, logger=Records()) == 0  # resumed at step 2, on the GPU
+    state = load_typed(list_files(out, "state")[-1], STATE_FORMAT)
+    assert state["progress"]["step"] == 4
+    assert [g["fused"] for g in state["optimizer"]["param_groups"]] == [True]
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cached_and_uncached_beam_search_agree_in_bf16():
     model = gpu_model(d_model=64, vocab=40).eval()
     with torch.no_grad():  # large weights: outputs that depend more on their context

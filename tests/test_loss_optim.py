@@ -11,7 +11,12 @@ from torch import nn
 from transformer import loss as loss_module
 from transformer.config import TrainConfig
 from transformer.loss import label_smoothed_loss
-from transformer.optim import build_optimizer, cooldown_factor, inverse_sqrt_schedule, resync
+from transformer.optim import (
+    build_optimizer,
+    cooldown_factor,
+    inverse_sqrt_schedule,
+    with_these_kernels,
+)
 
 
 def test_label_smoothing_hand_computed():
@@ -152,15 +157,17 @@ def test_optimizer_and_scheduler_resume_exactly():
 
 def test_resumed_optimizer_keeps_this_runs_kernels_not_the_saving_runs():
     """load_state_dict restores the saved param groups' `fused` flag: a state saved on a CPU
-    (unfused) would step unfused on a GPU. Here the other way round, which a CPU can run:
-    a state saved fused (as on a GPU) resumed on a CPU."""
+    (unfused) would step unfused on a GPU (tests/test_gpu.py has that direction). Here the
+    other, which a CPU can run: a state saved fused, as on a GPU, resumed on a CPU."""
     model, optimizer, scheduler = make(0)
     train_step(model, optimizer, scheduler, torch.randn(2, 4))
     saved = copy.deepcopy(optimizer.state_dict())
     for group in saved["param_groups"]:
         group["fused"] = True  # what build_optimizer gives parameters on a GPU
-    _, optimizer2, scheduler2 = make(1)
-    optimizer2.load_state_dict(saved)
-    assert optimizer2.param_groups[0]["fused"]  # torch's load_state_dict: the saving run's
-    resync(optimizer2, scheduler2)
+    _, as_saved, _ = make(1)
+    as_saved.load_state_dict(copy.deepcopy(saved))
+    assert as_saved.param_groups[0]["fused"]  # torch's load_state_dict: the saving run's
+    resumed, optimizer2, scheduler2 = make(1)
+    optimizer2.load_state_dict(with_these_kernels(optimizer2, saved))
     assert [g["fused"] for g in optimizer2.param_groups] == [False]  # this run's: a CPU
+    train_step(resumed, optimizer2, scheduler2, torch.randn(2, 4))

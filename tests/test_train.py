@@ -240,6 +240,22 @@ def test_operational_changes_resume_and_identity_changes_are_refused(
     assert final_state(out)["params"]["model"]["d_model"] == 64
 
 
+def test_a_resumed_optimizer_steps_with_this_machines_kernels(tiny_params, tiny_shards, tmp_path):
+    """A state saved where the optimizer was fused (a GPU) resumes unfused on a CPU: the
+    saved param groups' flags, which load_state_dict restores, give way to this run's
+    (tests/test_gpu.py resumes a CPU's state on a GPU)."""
+    out = tmp_path / "run"
+    assert train(tiny_params, tiny_shards, out, "train.max_steps=2") == 0
+    path = ckpt.list_files(out, "state")[-1]
+    state = ckpt.load_typed(path, ckpt.STATE_FORMAT)
+    for group in state["optimizer"]["param_groups"]:
+        group["fused"] = True  # as saved on a GPU
+    ckpt.atomic_save(state, path)
+    assert train(tiny_params, tiny_shards, out, "train.max_steps=3") == 0
+    groups = ckpt.load_typed(ckpt.list_files(out, "state")[-1], ckpt.STATE_FORMAT)["optimizer"]
+    assert [g["fused"] for g in groups["param_groups"]] == [False]
+
+
 def test_the_update_is_the_same_on_any_number_of_gpus():
     assert batch_plan(32768, 32768, 1) == (1, 32768)  # one H100: one pass
     assert batch_plan(32768, 32768, 8) == (1, 4096)  # the paper's 8 GPUs x 4096

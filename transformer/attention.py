@@ -13,8 +13,9 @@ training and 10-100x slower decoding.
 So on CUDA the order is fixed here (`CUDA_BACKENDS`), by what each call of model.py needs:
 - flash: calls without a mask, the decoder's causal self-attention in training (SDPA's
   own triangle) and a beam of one; bf16/fp16 only;
-- memory-efficient: calls with a boolean mask (source padding in encoder self-attention and
-  cross-attention, the KV cache's visibility in beam search), and fp32 on GPU;
+- memory-efficient: calls with a mask (source padding in encoder self-attention and
+  cross-attention, boolean; additive where decoding with the KV cache, and its
+  visibility in beam search), and fp32 on GPU;
 - math: anything else (a dtype or head size the fused kernels refuse), never an error.
 cuDNN is left out. It is to be admitted only if `benchmarks/gpu_report.py` (section
 "environment") measures it faster at every call kind with the cost of new shapes counted;

@@ -85,8 +85,9 @@ def attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
         )
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (..., L, S)
-    # Every row keeps a key: its own position, or a sentence's EOS. Adding a mask broadcast
-    # over heads is ~1.4x faster than masked_fill_ with it (its broadcast boolean reads).
+    # Every row keeps a key: its own position, or a sentence's EOS. An additive mask makes
+    # this 1.35-1.55x faster than masked_fill_ of a boolean one, both broadcast over heads
+    # (117 sentences x 4 heads x 4 queries, 20-60 keys).
     if mask is not None and mask.dtype == torch.bool:
         scores.masked_fill_(~mask, float("-inf"))
     elif mask is not None:

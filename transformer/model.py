@@ -5,7 +5,8 @@ decoder layers, the model with `encode()` / `decode()` (the cache for step-by-st
 decoding is in kv_cache.py). Shapes: B batch, S source length, T target length, D d_model,
 h heads, d_k = D / h, V vocabulary. Padding masks are boolean with True = pad (as in PyTorch);
 F.scaled_dot_product_attention (and kernels.attention) take the opposite convention
-(True = may attend).
+(True = may attend), or an additive mask (0, or -inf where not), which `key_mask` makes for
+decoding with the cache.
 """
 
 from __future__ import annotations

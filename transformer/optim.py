@@ -63,15 +63,20 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-def resync(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> None:
+def resync_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> None:
     """After loading a saved optimizer and schedule: the next update's lr under today's
-    schedule, not the one saved (which a changed max_steps moves, with a cooldown), and
-    this run's kernels (fused on a GPU), not the saving run's, which load_state_dict
-    restores: a state saved on a CPU would step unfused on a GPU, and one saved on a GPU
-    fused on a CPU."""
+    schedule, not the one saved (which a changed max_steps moves, with a cooldown)."""
     for group, schedule in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
         group["lr"] = group["initial_lr"] * schedule(scheduler.last_epoch)
-        group.update({key: optimizer.defaults[key] for key in ("fused", "foreach")})
+
+
+def with_these_kernels(optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """`saved` (an optimizer's state_dict) with `optimizer`'s kernel choice (fused on a GPU)
+    in each param group, to load in its place. load_state_dict restores the saved flags,
+    and puts each step count on the GPU only if they say fused: a state saved on a CPU
+    would step unfused on a GPU, or, fused afterwards, with its step counts on the host."""
+    mine = {key: optimizer.defaults[key] for key in ("fused", "foreach")}
+    return {**saved, "param_groups": [{**group, **mine} for group in saved["param_groups"]]}
 
 
 def clip_gradients(model: torch.nn.Module, clip_norm: float) -> torch.Tensor:

@@ -75,7 +75,7 @@ from transformer.metrics import (
     setup_logging,
 )
 from transformer.model import Transformer
-from transformer.optim import build_optimizer, clip_gradients, resync
+from transformer.optim import build_optimizer, clip_gradients, resync_lr, with_these_kernels
 from transformer.validate import EarlyStopping, validate
 from transformer.vocab import PAD, VocabError, load_spm
 
@@ -204,12 +204,13 @@ class Trainer:
         if self.cfg.cooldown and was != self.cfg.max_steps:
             log.warning("train.max_steps %d -> %d: the lr cooldown (train.cooldown %g) moves to "
                         "the new end", was, self.cfg.max_steps, self.cfg.cooldown)  # fmt: skip
+        state["optimizer"] = with_these_kernels(self.optimizer, state["optimizer"])
         try:
             for name, part in self.parts.items():
                 part.load_state_dict(state[name])
         except (RuntimeError, ValueError, KeyError) as err:
             raise TrainError(f"{path}: does not fit this run: {err}") from None
-        resync(self.optimizer, self.scheduler)
+        resync_lr(self.optimizer, self.scheduler)
         self.saved_step = self.progress.step
         log.info("resumed from %s at step %d", path, self.progress.step)
 
