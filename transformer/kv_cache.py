@@ -51,8 +51,9 @@ class KVCache:
         # No mask when each row is alone in its group: it sees all the group's slots. Else
         # an additive one, made once for all layers (kernels.attention adds it faster than
         # it masks).
-        seen = seen.reshape(b // g, 1, g * t, -1)
-        self.mask = None if g == t == 1 else torch.where(seen, 0.0, float("-inf"))
+        self.mask = None
+        if not g == t == 1:
+            self.mask = torch.where(seen.reshape(b // g, 1, g * t, -1), 0.0, float("-inf"))
         return list(zip(self.self_attn, self.cross_attn, strict=True))
 
     def _reserve(self, b: int, slots: int, device: torch.device) -> None:
