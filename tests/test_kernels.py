@@ -90,8 +90,11 @@ def test_describe_names_what_runs_the_products():
 
 
 @pytest.mark.parametrize("queries", [1, 4, 9])
-@pytest.mark.parametrize("masked", ["none", "padding", "per-query"])
-@pytest.mark.parametrize("additive", [False, True], ids=["boolean", "additive"])
+@pytest.mark.parametrize(
+    "masked, additive",
+    [("none", False), ("padding", False), ("per-query", False), ("padding", True),
+     ("per-query", True)],
+)  # fmt: skip
 def test_attention_is_sdpa_for_a_decoding_step_and_falls_back_beyond(
     queries, masked, additive, monkeypatch
 ):
