@@ -259,9 +259,10 @@ def test_a_run_killed_in_training_resumes_and_completes(first, work):
 
 def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_path):
     """A real `prefect server` (127.0.0.1, its own PREFECT_HOME, the scheduler looping every
-    second) and `python -m flows.deploy` serving the repository's smoke deployment with a
-    schedule due a few seconds later: the scheduled run completes, so does a run started
-    with `prefect deployment run`; stopping the serve process pauses nothing."""
+    second) and `python -m flows.deploy` serving the repository's smoke deployment; a
+    schedule added once it is served (as `prefect deployment schedule create` adds one),
+    due seconds later: the scheduled run completes, so does a run started with
+    `prefect deployment run`; stopping the serve process pauses nothing."""
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = dict(
@@ -283,15 +284,20 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
     serving = None
     try:
         _wait(lambda: _answers(f"{api}/health"), 120, "prefect server")
-        # Due once the server is up: serving must register the deployment before then (a
-        # due time already past means the next run an interval later), on a busy machine too.
-        due = datetime.now(UTC) + timedelta(seconds=45)
-        smoke["schedules"] = [{"interval": 3600, "anchor_date": due.isoformat()}]
+        # The served schedule (not the nightly retrain from the source, which could come due
+        # during the test) is due tomorrow: registered and active, it must not fire.
+        tomorrow = datetime.now(UTC) + timedelta(days=1)
+        smoke["schedules"] = [{"interval": 86400, "anchor_date": tomorrow.isoformat()}]
         spec.write_text(yaml.safe_dump({"deployments": [smoke]}))
         serving = _spawn([sys.executable, "-m", "flows.deploy", "--file", str(spec),
                           "--work-dir", str(work)], env, tmp_path / "serve.log")  # fmt: skip
         _wait(lambda: _api(api, "GET", "deployments/name/wmt14-ende/smoke"), 120, "deployment")
         deployment = _api(api, "GET", "deployments/name/wmt14-ende/smoke")
+        # Due once served, with a margin for the scheduler's loop on a busy machine (a due
+        # time already past means the next run an interval later).
+        due = datetime.now(UTC) + timedelta(seconds=10)
+        added = [{"schedule": {"interval": 3600, "anchor_date": due.isoformat()}, "active": True}]
+        assert _api(api, "POST", f"deployments/{deployment['id']}/schedules", added)
         query = {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}}
 
         def scheduled_run_completed() -> bool:
@@ -320,7 +326,7 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
         serving.wait(timeout=60)
         serving = None
         schedules = _api(api, "GET", f"deployments/{deployment['id']}")["schedules"]
-        assert schedules and all(s["active"] for s in schedules)  # still on: runs will wait
+        assert len(schedules) == 2 and all(s["active"] for s in schedules)  # runs will wait
     finally:
         for proc in (serving, server):
             if proc is not None:
