@@ -132,6 +132,27 @@ TINY_FLOW = [
     "decode.max_len_b=10",
 ]
 
+
+@pytest.fixture(scope="session")
+def fresh_flow(tmp_path_factory) -> Path:
+    """The work dir of a finished `python -m flows.wmt14_ende params/smoke.yaml` with
+    TINY_FLOW, run as a process in a dir of its own: a second fresh run for the bitwise
+    check of tests/test_flow.py, and what tests/test_reliability.py tampers with. Shared:
+    tests copy it and never write into it."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path_factory.mktemp("fresh") / "work"
+    cmd = [sys.executable, "-m", "flows.wmt14_ende", str(root / "params" / "smoke.yaml"),
+           *TINY_FLOW, "--work-dir", str(work)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    return work
+
+
 SMOKE_STEPS = [
     "train.max_steps=200",
     "train.save_every=100",
