@@ -297,7 +297,7 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
         deployment = _api(api, "GET", "deployments/name/wmt14-ende/smoke")
         # Due once served, with a margin for the scheduler's loop on a busy machine (a due
         # time already past means the next run an interval later).
-        due = datetime.now(UTC) + timedelta(seconds=10)
+        due = datetime.now(UTC) + timedelta(seconds=15)
         added = [{"schedule": {"interval": 3600, "anchor_date": due.isoformat()}, "active": True}]
         assert _api(api, "POST", f"deployments/{deployment['id']}/schedules", added)
         query = {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}}
