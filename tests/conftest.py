@@ -147,6 +147,7 @@ def fresh_flow(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("fresh") / "work"
     cmd = [sys.executable, "-m", "flows.wmt14_ende", str(root / "params" / "smoke.yaml"),
            *TINY_FLOW, "--work-dir", str(work)]  # fmt: skip
+    # Its own MLflow store and Prefect server, whatever the shell running the tests points at.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
