@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from transformer.config import ModelConfig, TrainConfig, load_params
+from transformer.kv_cache import Shrink
 from transformer.loss import label_smoothed_loss
 from transformer.model import MultiHeadAttention, Transformer, key_mask
 from transformer.optim import build_optimizer
@@ -58,7 +59,7 @@ def test_padding_leaves_real_positions_unchanged(norm_first):
 def decode_stepwise(model, src, tgt_in, chunks, reorder=None):
     """Decode `tgt_in` (B, T) with a cache, `chunks` positions per call; the B / B' rows of
     a source sentence (B' in `src`) share its memory. After the first call, optionally
-    reorder the rows and sources (rows, sources), as beam search does."""
+    reorder the rows and the sources (rows, Shrink), as beam search does."""
     memory, src_padding = model.encode(src), src == PAD
     cache, out, start = model.new_cache(), [], 0  # no room reserved: the cache must grow
     for n in chunks:
@@ -66,9 +67,10 @@ def decode_stepwise(model, src, tgt_in, chunks, reorder=None):
         start += n
         assert cache.length == start
         if reorder is not None and len(out) == 1:
-            rows, sources = reorder
-            cache.reorder(rows, sources)
-            memory, src_padding, tgt_in = memory[sources], src_padding[sources], tgt_in[rows]
+            rows, shrink = reorder
+            cache.reorder(rows, shrink)
+            kept = shrink.kept
+            memory, src_padding, tgt_in = memory[kept], src_padding[kept], tgt_in[rows]
             out = [out[0][rows]]
     return torch.cat(out, dim=1)
 
@@ -89,13 +91,29 @@ def test_cached_decoding_equals_full_decoding(overrides):
         torch.testing.assert_close(
             decode_stepwise(model, src, tgt_in, chunks), full, atol=1e-5, rtol=0
         )
-    # Beam search: 2 hypotheses a sentence sharing its memory; then the last sentence's
-    # second hypothesis takes both places of it, the first one's swap, the middle one leaves.
+    # Beam search: 2 hypotheses a sentence sharing its memory; then the middle sentence
+    # leaves, the last one takes its place (its second hypothesis both of its places), and
+    # the first one's two hypotheses swap.
     src2, tgt2 = src.repeat_interleave(2, dim=0), tgt_in.repeat_interleave(2, dim=0)
     tgt2[1::2, 2:] = tokens(3, 4)  # each sentence's two hypotheses differ after 2 positions
-    rows, sources = torch.tensor([5, 5, 1, 0]), torch.tensor([2, 0])
-    stepped = decode_stepwise(model, src, tgt2, [3, 1, 1, 1], reorder=(rows, sources))
+    shrink = Shrink([False, True, False], "cpu")
+    assert shrink.kept.tolist() == [0, 2] and shrink.gone.tolist() == [1]
+    rows = torch.tensor([1, 0, 5, 5])
+    stepped = decode_stepwise(model, src, tgt2, [3, 1, 1, 1], reorder=(rows, shrink))
     torch.testing.assert_close(stepped, model(src2[rows], tgt2[rows]), atol=1e-5, rtol=0)
+
+
+def test_sentences_leaving_move_only_the_rows_that_fill_their_places():
+    """Rows 1 and 3 leave: the last two that stay take their places, in place; the rows
+    before them stay where they are."""
+    shrink = Shrink([False, True, False, True, False, False], "cpu")
+    assert shrink.kept.tolist() == [0, 4, 2, 5] and shrink.gone.tolist() == [1, 3]
+    t = torch.arange(2 * 6 * 3).view(2, 6, 3)
+    expected = t[:, shrink.kept].clone()
+    kept = shrink.apply(t, dim=1)
+    assert torch.equal(kept, expected) and kept.data_ptr() == t.data_ptr()
+    none_left = Shrink([True, True], "cpu")
+    assert none_left.apply(torch.zeros(2, 5)).shape == (0, 5)
 
 
 @torch.no_grad()

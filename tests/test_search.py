@@ -39,9 +39,9 @@ class StubCache:
     def length(self) -> int:
         return 0 if self.prefix is None else self.prefix.size(1)
 
-    def reorder(self, rows, sources=None):
+    def reorder(self, rows, shrink=None):
         """As the real cache: a row may only continue a row of its own sentence."""
-        kept = torch.arange(self.memory.size(0)) if sources is None else sources
+        kept = torch.arange(self.memory.size(0)) if shrink is None else shrink.kept
         sentence = kept.repeat_interleave(rows.size(0) // kept.size(0))  # of each new row
         assert torch.equal(rows // (self.prefix.size(0) // self.memory.size(0)), sentence)
         self.prefix, self.memory, self.pad = self.prefix[rows], self.memory[kept], self.pad[kept]

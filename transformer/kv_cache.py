@@ -1,6 +1,7 @@
 """The decoder's key/value cache for step-by-step decoding (transformer.search): each
 `decode()` computes only its new positions, and beam search reorders hypotheses by moving
-small masks, not keys and values.
+small masks, not keys and values. When sentences leave the batch (`Shrink`), the rows of
+those that stay move only where a sentence that left makes room.
 
 Shapes: B target rows (hypotheses), B' source rows (sentences), g = B / B' rows per
 sentence, h heads, S source length, d_k = D / h.
@@ -11,6 +12,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+class Shrink:
+    """Sentences leave the batch: the source rows that stay, `kept` (B',), in their new
+    order. That order is the first B' rows, except that each row of a sentence that left
+    (`holes`) takes a row from beyond B' (`fill`): `apply` then moves only those rows, in
+    place, and cuts the rest off, instead of copying every row that stays (with the keys
+    and values of each layer, the largest copy of a decoding step on a CPU). Built on the
+    host from which rows are done, which the search knows anyway."""
+
+    def __init__(self, done: list[bool], device: torch.device | str):
+        n = done.count(False)
+        holes = [i for i in range(n) if done[i]]
+        fill = [i for i in range(n, len(done)) if not done[i]]  # as many as there are holes
+        kept = list(range(n))
+        for hole, row in zip(holes, fill, strict=True):
+            kept[hole] = row
+        index = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)
+        self.kept, self.holes, self.fill = index(kept), index(holes), index(fill)
+        self.gone = index([i for i, d in enumerate(done) if d])
+
+    def apply(self, t: Tensor, dim: int = 0) -> Tensor:
+        """t's rows `kept` along `dim`: the holes of `t` filled in place, the tail cut off
+        (a view of `t`)."""
+        if self.holes.numel():
+            at = (slice(None),) * dim
+            t[(*at, self.holes)] = t[(*at, self.fill)]
+        return t.narrow(dim, 0, self.kept.numel())
 
 
 class KVCache:
@@ -65,18 +94,18 @@ class KVCache:
             room = max(slots, 2 * self.visible.size(1))
             self.visible = F.pad(self.visible, (0, room - self.visible.size(1)))
 
-    def reorder(self, rows: Tensor, sources: Tensor | None = None) -> None:
+    def reorder(self, rows: Tensor, shrink: Shrink | None = None) -> None:
         """Keep target rows `rows` (B,), in that order: beam search expands, reorders and
         drops hypotheses with it. A row may only take the place of a row of its own group
-        (rows[i] // g == sources[i // g]). Source rows `sources` (B',): when sentences leave
-        the batch, the keys and values keep only theirs."""
+        (rows[i] // g == shrink.kept[i // g]). When sentences leave the batch (`shrink`),
+        the keys and values keep only those of the sentences that stay."""
         self.visible = self.visible[rows]
-        if sources is not None:
+        if shrink is not None:
             for kv in self.self_attn:
-                kv.keep(sources)
+                kv.keep(shrink)
             for entry in self.cross_attn:
                 for name, t in entry.items():
-                    entry[name] = t.index_select(0, sources)
+                    entry[name] = shrink.apply(t)
         # Compaction costs a host sync and a copy: once 16 positions are in, then each time
         # the slots have doubled since.
         if self.group > 1 and self.filled >= max(2 * self.compacted, 16 * self.group):
@@ -101,9 +130,10 @@ class SelfAttentionKV:
     its KVCache assigns. Keys first, then values: the filled slots of each are then a view
     whose (B', h) dimensions merge into one batch dimension, which the attention's batched
     products take as it is (with keys and values interleaved per row they copied every
-    filled slot at every step). Dropping rows or slots copies into a spare buffer, which
-    then takes over: after the first time, into memory already mapped (fresh memory costs a
-    page fault per 4 KB the first time it is written)."""
+    filled slot at every step). Dropping rows moves only the rows that fill a hole (`Shrink`);
+    dropping slots copies into a spare buffer, which then takes over: after the first time,
+    into memory already mapped (fresh memory costs a page fault per 4 KB the first time it
+    is written)."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -132,10 +162,11 @@ class SelfAttentionKV:
             kv[:, :, :, :filled] = self.kv[:, :, :, :filled]
         self.kv, self.spare = kv, None
 
-    def keep(self, sources: Tensor) -> None:
-        """Keep source rows `sources` (B',)."""
-        old, filled = self._swap(sources.size(0)), self.cache.filled
-        torch.index_select(old[:, :, :, :filled], 1, sources, out=self.kv[:, :, :, :filled])
+    def keep(self, shrink: Shrink) -> None:
+        """Keep the source rows `shrink.kept`: only their filled slots move, and only theirs
+        that fill a hole."""
+        shrink.apply(self.kv[:, :, :, : self.cache.filled], dim=1)
+        self.kv = self.kv.narrow(1, 0, shrink.kept.numel())
 
     def compact(self, slots: Tensor) -> None:
         """Keep slots `slots` (B', n) of each row, in that order."""

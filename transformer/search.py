@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformer.attention import attention_context
+from transformer.kv_cache import Shrink
 from transformer.vocab import BOS, EOS, PAD
 
 
@@ -99,16 +100,16 @@ class _Decoder:
             lprobs = [torch.logsumexp(torch.stack(lprobs), dim=0) - math.log(len(lprobs))]
         return lprobs[0].index_fill_(1, self.never, float("-inf"))
 
-    def select(self, rows: Tensor, sentences: Tensor | None) -> None:
-        """Continue from rows `rows` (R',); `sentences` (N',) when some left the batch."""
+    def select(self, rows: Tensor, shrink: Shrink | None) -> None:
+        """Continue from rows `rows` (R',); `shrink` when sentences left the batch."""
         for cache in self.caches:
             if cache is not None:
-                cache.reorder(rows, sentences)
+                cache.reorder(rows, shrink)
         if self.prefix is not None:
             self.prefix = self.prefix[rows]
-        if sentences is not None:
-            self.memory = [memory[sentences] for memory in self.memory]
-            self.pad = self.pad[sentences]
+        if shrink is not None:
+            self.memory = [shrink.apply(memory) for memory in self.memory]
+            self.pad = shrink.apply(self.pad)
 
 
 def _inference(device: torch.device):
@@ -137,15 +138,11 @@ def _limits(src: Tensor, max_len_a: float, max_len_b: int, cap: int | None):
     return limit, shortest, longest
 
 
-def _split(done: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The step's one host sync: None if no sentence is done, else (kept, gone) indices."""
+def _split(done: Tensor) -> Shrink | None:
+    """The step's one host sync: None if no sentence is done, else which rows stay, in
+    which order (the sentences' order changes: see Shrink), and which leave."""
     flags = done.tolist()
-    if not any(flags):
-        return None
-    kept = [i for i, f in enumerate(flags) if not f]
-    gone = [i for i, f in enumerate(flags) if f]
-    as_index = lambda rows: torch.tensor(rows, dtype=torch.long, device=done.device)
-    return as_index(kept), as_index(gone)
+    return Shrink(flags, done.device) if any(flags) else None
 
 
 def greedy_search(
@@ -175,14 +172,14 @@ def greedy_search(
                 _force_eos(lprobs, limit <= t)
             tok = lprobs.argmax(dim=-1)  # (N,)
             out[sent, t] = tok
-            split = _split(tok == EOS)
-            if split is None:
+            shrink = _split(tok == EOS)
+            if shrink is None:
                 continue
-            kept, _ = split
+            kept = shrink.kept
             if kept.numel() == 0:
                 break
             tok, sent, limit = tok[kept], sent[kept], limit[kept]
-            decoder.select(kept, kept)
+            decoder.select(kept, shrink)
         return [row[: row.index(EOS)] for row in out.tolist()]
 
 
@@ -311,16 +308,15 @@ def beam_search(
             if t >= shortest:
                 _force_eos(lprobs, (beams.limit <= t).repeat_interleave(1 if t == 0 else k))
             rows, tok = beams.advance(lprobs, t)  # (N, k) each
-            split = _split(beams.done(t))
-            if split is not None:
-                kept, gone = split
-                beams.keep(kept, gone)
-                if kept.numel() == 0:
+            shrink = _split(beams.done(t))
+            if shrink is not None:
+                beams.keep(shrink.kept, shrink.gone)
+                if shrink.kept.numel() == 0:
                     break
-                rows, tok = rows[kept], tok[kept]
+                rows, tok = rows[shrink.kept], tok[shrink.kept]
             rows, tok = rows.flatten(), tok.flatten()
             history.append(rows, tok)
-            decoder.select(rows, None if split is None else kept)
+            decoder.select(rows, shrink)
         return history.hypotheses(beams.final)
 
 
