@@ -29,9 +29,10 @@ class Shrink:
         kept = list(range(n))
         for hole, row in zip(holes, fill, strict=True):
             kept[hole] = row
-        index = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)
-        self.kept, self.holes, self.fill = index(kept), index(holes), index(fill)
-        self.gone = index([i for i, d in enumerate(done) if d])
+        gone = [i for i, d in enumerate(done) if d]
+        parts = (kept, holes, fill, gone)  # one copy to the device for the four
+        index = torch.tensor([i for part in parts for i in part], dtype=torch.long, device=device)
+        self.kept, self.holes, self.fill, self.gone = index.split([len(p) for p in parts])
 
     def apply(self, t: Tensor, dim: int = 0) -> Tensor:
         """t's rows `kept` along `dim`: the holes of `t` filled in place, the tail cut off
