@@ -53,8 +53,9 @@ class KVCache:
       for `max_len` positions. Each decode() appends its T positions' slots, position by
       position, g per position (row j's at j), and they stay there. A row attends to the
       slots of its own past, which `visible` (B, slots) marks, so reordering the rows moves
-      only these marks; keys and values move only when sentences leave the batch, and when
-      the slots that no row sees any more are dropped (each time the slots have doubled).
+      only these marks; keys and values move only when sentences leave the batch (those of
+      the sentences that take their places: `Shrink`), and when the slots that no row sees
+      any more are dropped (each time the slots have doubled).
     """
 
     def __init__(self, n_layers: int, max_len: int):
