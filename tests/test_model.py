@@ -153,6 +153,36 @@ def test_cache_under_beam_search_reorders_equals_full_decoding(g, steps, reorder
 
 
 @torch.no_grad()
+def test_compaction_after_a_sentence_left_copies_only_the_slots_it_keeps():
+    """A sentence leaves (its rows cut off the cache in place), then the cache compacts: the
+    steps still equal the full decoder, and no copy is as large as a layer's keys and values
+    together (index_select of a buffer that was no longer one block first copied it whole)."""
+    from torch.profiler import profile
+
+    model, src, g, steps = tiny(), tokens(3, 6), 2, 24
+    memory, padding = model.encode(src), src == PAD
+    history = torch.full((3 * g, 1), BOS)
+    cache, gen = model.new_cache(steps), torch.Generator().manual_seed(0)
+    with profile(record_shapes=True) as prof:
+        for step in range(steps):
+            out = model.decode(history[:, -1:], memory, padding, cache)[:, -1]
+            shrink = Shrink([False, True, False], "cpu") if step == 2 else None  # 1 leaves
+            kept = torch.arange(len(memory)) if shrink is None else shrink.kept
+            memory, padding = memory[kept], padding[kept]
+            pick = torch.randint(0, g, (len(kept), g), generator=gen)  # within each sentence
+            rows = (kept[:, None] * g + pick).flatten()
+            cache.reorder(rows, shrink)
+            new = torch.randint(4, V, (len(rows), 1), generator=gen)
+            history = torch.cat([history[rows], new], 1)
+    assert cache.compacted > 0 and len(memory) == 2
+    expected = model.decode(history[:, :-1], memory, padding)[:, -1]
+    torch.testing.assert_close(out[rows], expected, atol=1e-4, rtol=0)
+    whole = cache.self_attn[0].kv.numel()
+    copied = [e.input_shapes[0] for e in prof.events() if e.name == "aten::copy_"]
+    assert max(torch.Size(s).numel() for s in copied if s) <= whole // 2
+
+
+@torch.no_grad()
 def test_cached_steps_give_attention_keys_and_values_it_takes_without_a_copy(monkeypatch):
     """A step's batched attention products take the cache's keys and values as views: their
     (sentences, heads) dimensions merge into one. Keys interleaved with values per sentence,

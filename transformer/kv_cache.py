@@ -170,9 +170,12 @@ class SelfAttentionKV:
     def compact(self, slots: Tensor) -> None:
         """Keep slots `slots` (B', n) of each row, in that order, as its first n."""
         (_, b, h, room, d_k), n = self.kv.shape, slots.size(1)
-        # One index_select of (row, head, slot) vectors: 2-7x faster than a gather along
-        # the slots, whose index repeats each slot d_k times.
+        # An index_select of (row, head, slot) vectors: 2-7x faster than a gather along the
+        # slots, whose index repeats each slot d_k times. Keys and values apart: once rows
+        # have left (`keep`), the two are not one contiguous block, and index_select would
+        # first copy the whole buffer to make them one.
         heads = torch.arange(b * h, device=slots.device).view(b, h, 1) * room
         vectors = (heads + slots[:, None, :]).flatten()  # (B' * h * n,)
-        kept = self.kv.flatten(1, 3).index_select(1, vectors)  # a copy: (2, B' * h * n, d_k)
-        self.kv[:, :, :, :n] = kept.view(2, b, h, n, d_k)
+        for half in self.kv:  # (B', h, room, d_k), contiguous
+            kept = half.flatten(0, 2).index_select(0, vectors)  # a copy: (B' * h * n, d_k)
+            half[:, :, :n] = kept.view(b, h, n, d_k)
