@@ -59,9 +59,11 @@ gpu-report:
 # What such an image lacks (pydantic; CTranslate2 and sacremoses, the peers), as the
 # lock's versions for its Python, into an ignored folder to carry to a machine with no
 # index: `make gpu-wheels` here, then `make gpu-report` there installs them, --no-deps.
+# typing-extensions too: the image has one of unknown version, and pydantic needs >= 4.16.
 WHEELS ?= .whl
 GPU_PYTHON ?= 3.12
-GPU_PACKAGES := pydantic pydantic-core annotated-types typing-inspection ctranslate2 sacremoses
+GPU_PACKAGES := pydantic pydantic-core annotated-types typing-inspection typing-extensions \
+    ctranslate2 sacremoses
 gpu-wheels: setup
 	$(BIN)/python -m pip download -q --no-deps --only-binary :all: -d $(WHEELS) \
 	    --python-version $(GPU_PYTHON) --platform manylinux_2_28_x86_64 \

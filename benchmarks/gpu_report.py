@@ -13,7 +13,9 @@ Sections, in the order they run:
 - environment: versions, the device, and for each kind of attention call model.py makes
   the SDPA backend that runs it (transformer/attention.py's choice, and torch's default)
   with every backend's time at representative shapes and over a sweep of new shapes: the
-  measurement behind attention.CUDA_BACKENDS;
+  measurement behind attention.CUDA_BACKENDS, where a backend is admitted only if it is
+  also right (its outputs and gradients beside the math backend's);
+- gpu tests: `pytest -m gpu` in a subprocess;
 - train step: target tokens/s, TFLOP/s and MFU of a training step of base and big in
   bf16 at two micro-batch sizes, beside torch.nn.Transformer and MarianMTModel of the same
   dimensions (benchmarks/model_step.py), and of the smoke model on the CPU;
@@ -24,7 +26,6 @@ Sections, in the order they run:
   (benchmarks/decode.py's functions; CTranslate2's wheels need CUDA 12's cuBLAS);
 - bf16 vs fp32: the loss curves of both precisions overfitting one batch;
 - checkpoint: seconds to save a training state of big and a model snapshot;
-- gpu tests: `pytest -m gpu` in a subprocess;
 then the project's targets, pass or fail. A section degrades to "skipped: <why>" when a
 package or a device feature is missing, a peer's row likewise, and a section that fails
 says so without stopping the others.
@@ -269,6 +270,9 @@ BACKENDS = (
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.MATH,
 )
+# A backend's output and gradients may differ from the math backend's by this much, relative
+# to the largest value: bf16 rounding gives ~1e-2; a wrong kernel far more, or NaN.
+AGREES = 0.05
 
 
 def environment(run: Run) -> Result:
@@ -423,6 +427,7 @@ def backend_times(backend: SDPBackend, kind: str, warm: list, sweep: list, run: 
             calls = [sdpa_call(kind, shape, run)[0] for shape in sweep]
             cold = [timed(call, run.device) for call in calls]
             again = [timed(call, run.device) for call in calls]
+            diff = disagreement(backend, kind, warm[0], run)
         except RuntimeError as err:
             return {"status": f"unsupported: {model_step.first_line(err)[:80]}"}
     return {
@@ -430,7 +435,25 @@ def backend_times(backend: SDPBackend, kind: str, warm: list, sweep: list, run: 
         "new shapes": len(sweep),
         "first calls ms": 1000 * sum(cold),
         "same again ms": 1000 * sum(again),
+        "diff vs math": diff,
     }
+
+
+def disagreement(backend: SDPBackend, kind: str, shape, run: Run) -> float:
+    """The largest difference of `backend`'s output, and for the training kinds its
+    gradients, from the math backend's on the same inputs, relative to the largest math
+    value (inf for a NaN): a fast backend must also be right to be admitted."""
+    _, (q, k, v, mask, causal) = sdpa_call(kind, shape, run)
+    results = []
+    for b in (backend, SDPBackend.MATH):
+        with sdpa_kernel([b]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            grads = torch.autograd.grad(y, (q, k, v), torch.ones_like(y)) if y.requires_grad else ()
+        results.append([y.detach().float(), *(g.float() for g in grads)])
+    pairs = zip(*results, strict=True)
+    diffs = torch.stack([(a - b).abs().max() / b.abs().max().clamp_min(1e-6) for a, b in pairs])
+    return float("inf") if diffs.isnan().any() else diffs.max().item()
 
 
 def verdict(rows: list[dict], run: Run) -> list[str]:
@@ -447,15 +470,18 @@ def verdict(rows: list[dict], run: Run) -> list[str]:
             continue
         warm = lambda r: sum(r["ms at shape"].values())
         faster = warm(cudnn) < warm(ours) and cudnn["first calls ms"] < ours["first calls ms"]
+        faster = faster and cudnn["diff vs math"] <= AGREES  # and right
         lines.append(
             f"{kind}: ours ({ours['backend']}) {warm(ours):.3g} ms warm, "
             f"{ours['first calls ms']:.4g} ms over {ours['new shapes']} new shapes; cuDNN "
-            f"{warm(cudnn):.3g} ms, {cudnn['first calls ms']:.4g} ms"
+            f"{warm(cudnn):.3g} ms, {cudnn['first calls ms']:.4g} ms, "
+            f"{cudnn['diff vs math']:.2g} from math (at most {AGREES})"
         )
         slower += [] if faster else [kind]
     if slower:
         lines.append(
-            f"keep attention.CUDA_BACKENDS: cuDNN is not measured faster at {', '.join(slower)}"
+            f"keep attention.CUDA_BACKENDS: cuDNN is not measured faster and right at "
+            f"{', '.join(slower)}"
         )
     else:
         lines.append(
@@ -494,37 +520,10 @@ def train_step(run: Run) -> Result:
 
 
 def train_loop(run: Run) -> Result:
-    rows = []
-    for name, steps in run.plan.loop_cases:
-        path, overrides = CONFIGS[name]
-        shards = train_throughput.synthetic_shards(
-            run.work, config(name).vocab.size, run.plan.loop_pairs, run.plan.loop_max_len
-        )
-        r = train_throughput.measure(
-            name,
-            path,
-            overrides,
-            shards,
-            steps,
-            run.work,
-            run.threads,
-            cpu=run.device.type != "cuda",
-            timeout=max(60.0, run.left()),  # a hung case must not eat the other sections' time
-        )
-        tflops = r["tokens_per_s"] * r["flops_per_token"] / 1e12
-        rows.append(
-            {
-                "config": name,
-                "device": r["device"],
-                "steps": steps,
-                "tokens/update": r["tokens_per_update"],
-                "step s": r["step_time"],
-                "tgt tok/s": r["tokens_per_s"],
-                "TFLOP/s": tflops,
-                "MFU": tflops / PEAK_TFLOPS if run.device.type == "cuda" else None,
-                "peak mem GiB": r["peak_mem_gb"],
-            }
-        )
+    rows = [  # a case that fails (big out of memory, a timeout) keeps the others' rows
+        peer({"config": name}, lambda name=name, steps=steps: loop_case(run, name, steps))
+        for name, steps in run.plan.loop_cases
+    ]
     note = (
         f"python -m transformer.train <params> --data <shards> in a fresh process per "
         f"config, its own params (batch_tokens, max_tokens, precision), on {run.plan.loop_pairs:,} "
@@ -533,6 +532,35 @@ def train_loop(run: Run) -> Result:
         "(benchmarks/train_throughput.py --corpus synthetic)"
     )
     return Result({"": rows}, [note])
+
+
+def loop_case(run: Run, name: str, steps: int) -> dict:
+    path, overrides = CONFIGS[name]
+    shards = train_throughput.synthetic_shards(
+        run.work, config(name).vocab.size, run.plan.loop_pairs, run.plan.loop_max_len
+    )
+    r = train_throughput.measure(
+        name,
+        path,
+        overrides,
+        shards,
+        steps,
+        run.work,
+        run.threads,
+        cpu=run.device.type != "cuda",
+        timeout=max(60.0, run.left()),  # a hung case must not eat the other sections' time
+    )
+    tflops = r["tokens_per_s"] * r["flops_per_token"] / 1e12
+    return {
+        "device": r["device"],
+        "steps": steps,
+        "tokens/update": r["tokens_per_update"],
+        "step s": r["step_time"],
+        "tgt tok/s": r["tokens_per_s"],
+        "TFLOP/s": tflops,
+        "MFU": tflops / PEAK_TFLOPS if run.device.type == "cuda" else None,
+        "peak mem GiB": r["peak_mem_gb"],
+    }
 
 
 def precision(run: Run) -> Result:
@@ -623,7 +651,18 @@ def checkpoint(run: Run) -> Result:
 def decode(run: Run) -> Result:
     rows, notes = [], []
     for name, where, n in run.plan.decode_cases:
-        case = decode_case(run, name, run.on(where), n)
+        device = run.on(where)
+        row = {"config": name, "device": device.type, "search": "beam 4, ours"}
+        if run.left() <= 0:  # this section has no time of its own: the run's budget
+            rows.append(
+                {**row, "status": f"skipped: the time budget ({run.budget:.0f} s) is spent"}
+            )
+            continue
+        try:
+            case = decode_case(run, name, device, n)
+        except Exception as err:  # big out of memory, say: the other configs' rows stay
+            rows.append({**row, "status": model_step.failure(err)})
+            continue
         rows += case
         ours, marian, ct2 = case[0], case[2], case[3]
         for peer_row, peer_name in ((ct2, "CTranslate2"), (marian, "MarianMTModel")):
@@ -725,6 +764,9 @@ def unrestricted(fn: Callable[[], dict]) -> dict:
 # --------------------------------------------------------------------------- tests
 
 
+GPU_TESTS_S = 180.0  # at most, of the run's 480 s
+
+
 def gpu_tests(run: Run) -> Result:
     if importlib.util.find_spec("pytest") is None:
         raise Skipped("pytest is not installed")
@@ -735,7 +777,7 @@ def gpu_tests(run: Run) -> Result:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
     # A test module that cannot be imported here is counted as an error, not the end.
     cmd += ["--continue-on-collection-errors", f"--junitxml={xml}", run.plan.tests]
-    timeout = max(45.0, run.left())  # the last section: it may outlast the budget a little
+    timeout = max(60.0, min(GPU_TESTS_S, run.left()))  # a hung test leaves the rest time
     try:
         done = subprocess.run(
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -865,14 +907,14 @@ def target(name: str, value: float | None, threshold: float, why_not: str | None
 
 # --------------------------------------------------------------------------- the run
 
-SECTIONS = {
+SECTIONS = {  # the tests early: what the report's figures rest on gets its time first
     "environment": environment,
+    "gpu tests": gpu_tests,
     "train step": train_step,
     "train loop": train_loop,
     "decode": decode,
     "bf16 vs fp32": precision,
     "checkpoint": checkpoint,
-    "gpu tests": gpu_tests,
 }
 
 
@@ -892,8 +934,8 @@ def run_section(fn: Callable[[Run], Result], run: Run) -> dict:
         trace = traceback.format_exc()
     finally:
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        with contextlib.suppress(Exception):  # after a sticky CUDA error it raises too: the
+            torch.cuda.empty_cache()  # next sections then fail one by one, each saying so
     out = {"status": status, "seconds": time.perf_counter() - start, **asdict(result)}
     return {**out, "traceback": trace} if trace else out
 

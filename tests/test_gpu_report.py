@@ -4,6 +4,7 @@ report a GPU machine makes cannot rot between the times one is lent."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,12 +40,12 @@ sys.path_importer_cache.clear()
 """
 SECTIONS = [
     "environment",
+    "gpu tests",
     "train step",
     "train loop",
     "decode",
     "bf16 vs fp32",
     "checkpoint",
-    "gpu tests",
 ]
 
 
@@ -92,8 +94,10 @@ def test_the_tiny_cpu_report_writes_every_section(tiny_report):
 
 def test_each_section_measures_what_it_names(tiny_report):
     sections = json.loads((tiny_report[0] / "report.json").read_text())["sections"]
-    kinds = {r["call"] for r in sections["environment"]["tables"]["attention backends"]}
-    assert len(kinds) == 4
+    backends = sections["environment"]["tables"]["attention backends"]
+    assert len({r["call"] for r in backends}) == 4
+    ran = [r for r in backends if "status" not in r]  # math at least, for every call kind
+    assert {r["backend"] for r in ran} >= {"math"} and all(r["diff vs math"] < 1e-3 for r in ran)
     steps = sections["train step"]["tables"][""]
     assert {"ours", "torch.nn.Transformer"} <= {r["model"] for r in steps}
     assert all(r["tgt_tok/s"] > 0 for r in steps if "status" not in r)
@@ -185,3 +189,53 @@ def test_ctranslate2_without_cuda_12_cublas_is_a_skipped_peer(gpu_report):
     row = gpu_report.peer({"search": "beam 4, CTranslate2"}, gpu_report.needs_cublas12)
     assert row["status"].startswith("skipped: CTranslate2 ")
     assert "loads libcublas.so.12 (CUDA 12)" in row["status"]
+
+
+def test_a_faster_backend_that_is_wrong_is_not_admitted(gpu_report):
+    """cuDNN measured faster at every call kind is admitted only if its outputs and
+    gradients match the math backend's; a NaN among them counts as wrong."""
+    run = SimpleNamespace(device=torch.device("cuda"))
+    kinds = (gpu_report.ENCODER, gpu_report.CAUSAL, gpu_report.CROSS, gpu_report.BEAM)
+
+    def rows(cudnn_diff: float) -> list[dict]:
+        def row(kind, backend, ms, diff):
+            times = {"ms at shape": {"s": ms}, "first calls ms": ms, "new shapes": 3}
+            ours = backend == "flash"
+            return {"call": kind, "backend": backend, "ours": ours, **times, "diff vs math": diff}
+
+        return [
+            r for k in kinds for r in (row(k, "flash", 2.0, 0.0), row(k, "cuDNN", 1.0, cudnn_diff))
+        ]
+
+    assert gpu_report.verdict(rows(0.01), run)[-1].startswith("cuDNN is faster at every")
+    assert gpu_report.verdict(rows(float("inf")), run)[-1].startswith("keep attention.CUDA_BACK")
+
+
+def test_a_config_that_fails_keeps_the_other_configs_rows(gpu_report, monkeypatch, tmp_path):
+    """Big out of memory, say, in the train loop or in decoding: its row says so, and the
+    rows measured before and after it stay."""
+    plan = dataclasses.replace(
+        gpu_report.TINY_PLAN,
+        loop_cases=(("base", 1), ("big", 1), ("smoke", 1)),
+        decode_cases=(("base", "cpu", 1), ("big", "cpu", 1)),
+    )
+    run = gpu_report.Run(torch.device("cpu"), plan, tmp_path, budget=600.0, threads=1)
+
+    def fails_for_big(run, name, *args):
+        if name == "big":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"tgt tok/s": 1.0}
+
+    monkeypatch.setattr(gpu_report, "loop_case", fails_for_big)
+    rows = gpu_report.train_loop(run).tables[""]
+    assert [r["config"] for r in rows] == ["base", "big", "smoke"]
+    assert "out of memory" in rows[1]["status"] and rows[0]["tgt tok/s"] == rows[2]["tgt tok/s"]
+    ours = {"search": "beam 4, ours", "sent/s": 1.0}
+
+    def decode_case(run, name, *args):
+        fails_for_big(run, name)
+        return [ours, {}, {}, {}]  # ours, torch default attention, Marian, CTranslate2
+
+    monkeypatch.setattr(gpu_report, "decode_case", decode_case)
+    rows = gpu_report.decode(run).tables[""]
+    assert rows[0] == ours and rows[-1]["config"] == "big" and "out of memory" in rows[-1]["status"]
