@@ -111,6 +111,21 @@ def test_optimizer_cools_down_to_max_steps():
     assert lrs[4:] == pytest.approx([f * (9 - k) / 5 for k, f in enumerate(full[4:], start=5)])
 
 
+def test_constant_decay_holds_the_peak_until_the_cooldown():
+    # Warmup-stable-decay: the paper's warmup, its peak held, then the linear cooldown.
+    model = nn.Linear(4, 3)
+    cfg = TrainConfig(warmup_steps=2, max_steps=8, cooldown=0.5, decay="constant")
+    optimizer, scheduler = build_optimizer(model, cfg, d_model=16)
+    lrs = []
+    for _ in range(8):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        train_step(model, optimizer, scheduler, torch.randn(2, 4))
+    peak = inverse_sqrt_schedule(2, 16, 2)  # 16^-0.5 * 2^-0.5
+    assert lrs[:4] == pytest.approx([peak / 2, peak, peak, peak])
+    assert lrs[4:] == pytest.approx([peak * (9 - k) / 5 for k in range(5, 9)])
+    assert inverse_sqrt_schedule(10**6, 16, 2, decay=False) == pytest.approx(peak)
+
+
 def make(seed: int):
     torch.manual_seed(seed)
     model = nn.Linear(4, 3)

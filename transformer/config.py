@@ -171,6 +171,10 @@ class TrainConfig(Section):
     max_steps: int = operational(100_000, ge=1)  # optimizer updates; raising it extends a run
     warmup_steps: int = Field(4000, gt=0)
     lr_scale: float = Field(1.0, gt=0.0)  # multiplies d_model^-0.5 * min(...) (paper: 1)
+    # After the warmup: the paper's 1/sqrt(step) decay, or "constant" at the peak, which
+    # with a cooldown is warmup-stable-decay (torchtitan's; Hagele et al. 2024): a run whose
+    # length is set by its compute budget learns at the peak lr, then anneals at the end.
+    decay: Literal["inverse_sqrt", "constant"] = "inverse_sqrt"
     # The last fraction of max_steps over which the lr falls linearly to ~0 (paper: 0, none).
     # It follows max_steps: raising max_steps on resume moves the cooldown to the new end.
     cooldown: float = Field(0.0, ge=0.0, lt=1.0)

@@ -1,6 +1,7 @@
-"""Adam with the paper's warmup then inverse-square-root learning rate (section 5.3), an
-optional linear cooldown to zero at the end (warmup-stable-decay, as torchtitan's
-`decay_ratio`), and the gradient norm (clipping is off in the paper, available here)."""
+"""Adam with the paper's warmup then inverse-square-root learning rate (section 5.3), or a
+constant one after the warmup, an optional linear cooldown to zero at the end (constant then
+cooldown is warmup-stable-decay, torchtitan's `decay_ratio`), and the gradient norm
+(clipping is off in the paper, available here)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from transformer.config import TrainConfig
 
 
 def inverse_sqrt_schedule(
-    step: int, d_model: int, warmup_steps: int, lr_scale: float = 1.0
+    step: int, d_model: int, warmup_steps: int, lr_scale: float = 1.0, decay: bool = True
 ) -> float:
     """lrate = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5), step >= 1:
-    linear warmup for `warmup_steps` updates, then decay with 1 / sqrt(step)."""
+    linear warmup for `warmup_steps` updates, then decay with 1 / sqrt(step); without
+    `decay`, the peak (its value at warmup_steps) from there on."""
     step = max(step, 1)
-    return lr_scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+    after = step**-0.5 if decay else warmup_steps**-0.5
+    return lr_scale * d_model**-0.5 * min(after, step * warmup_steps**-1.5)
 
 
 def cooldown_factor(step: int, max_steps: int, cooldown: float) -> float:
@@ -56,7 +59,9 @@ def build_optimizer(
     scheduler = LambdaLR(
         optimizer,
         lambda k: (
-            inverse_sqrt_schedule(k + 1, d_model, cfg.warmup_steps, cfg.lr_scale)
+            inverse_sqrt_schedule(
+                k + 1, d_model, cfg.warmup_steps, cfg.lr_scale, cfg.decay == "inverse_sqrt"
+            )
             * cooldown_factor(k + 1, cfg.max_steps, cfg.cooldown)
         ),
     )
