@@ -194,7 +194,7 @@ def assert_same_updates(got: dict, want: dict, atol: float) -> None:
     compiled code, GPU reductions), agree within `atol`, except W^K's bias (in_proj.bias[D:2D]):
     softmax ignores it, so its true gradient is 0, and Adam turns whatever rounding is left in
     it into steps of +-lr (measured: 0.03-0.15 apart after 3 updates of the tiny model, DDP
-    compiled against uncompiled, everything else < 1e-5)."""
+    compiled against uncompiled, everything else < 4e-5)."""
     for key, value in got.items():
         expected = want[key]
         if key.endswith("in_proj.bias"):

@@ -90,7 +90,11 @@ def test_two_compiled_ranks_equal_one_uncompiled_rank(tiny_params, tiny_shards, 
     _train(tmp_path / "one", tiny_params, tiny_shards, [sys.executable], *update)
     a, b = (_final(tmp_path / run) for run in ("two", "one"))
     assert a["world_size"] == 2 and a["progress"]["tokens_seen"] == b["progress"]["tokens_seen"]
-    assert_same_updates(a["model"], b["model"], atol=1e-5)  # compiled: not bitwise
+    # Not bitwise: Adam divides each gradient by its own RMS, so an element whose gradient
+    # nearly cancels turns the compiled kernels' rounding into a larger difference (3.6e-5 on
+    # 1 of 30k elements, measured after the loss's change at aad90d6); a wrong batch or a
+    # missing all-reduce moves them by ~lr (Adam: 0.044, 0.088, 0.133 in these 3 updates).
+    assert_same_updates(a["model"], b["model"], atol=1e-4)
     assert two.count("step 3/3 (100%)") == 1
 
 
