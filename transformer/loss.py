@@ -79,7 +79,7 @@ def _chunk(h: Tensor, w: Tensor, target: Tensor, eps: float, sums: Tensor) -> Te
 
     From the logits z, in place: -log p_y = lse - z_y and mean_v(-log p_v) = lse - mean(z),
     with lse = m + log sum exp(z - m); the softmax is exp(z - m) / sum. No log-softmax is
-    materialised (on a CPU it took 2x the time of these passes together)."""
+    materialised: on a CPU, the passes over a chunk with one took 1.4-1.8x these."""
     z = linear(h, w).float()  # (c, V) logits
     z_y = z.gather(1, target[:, None]).squeeze(1)  # (c,)
     mean = z.mean(dim=-1)  # (c,)
