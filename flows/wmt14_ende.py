@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted.key=value")
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
     parser.add_argument("--refresh", action="store_true", help="recompute every stage")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow --work-dir
     try:  # fail fast, before Prefect starts, with the one-line params error
         load_run_params(args.params, args.overrides)
     except ParamsError as err:

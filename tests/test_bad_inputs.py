@@ -170,6 +170,7 @@ PROCESSES = [
     ("flow: truncated gzip", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_gz}", "--work-dir", "{root}/work"], "train.en.gz: truncated or corrupt gzip"),
     ("flow: no training text", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_empty}", "--work-dir", "{root}/work"], "corpus_empty (split 'train'): all 2 training pairs were dropped"),
     ("flow: missing split", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_no_test}", "--work-dir", "{root}/work"], "corpus_no_test/test.de: no such file"),
+    ("flow: override after an option", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "--work-dir", "{root}/work", "train.max_steps=x"], "train.max_steps: Input should be"),
     ("flow: work dir is a file", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "--work-dir", "{a_file}"], "a_file"),
     ("deploy: unknown deployment", [sys.executable, "-m", "flows.deploy", "--only", "tiny"], "no deployment tiny"),
     ("deploy: no such file", [sys.executable, "-m", "flows.deploy", "--file", "{root}/none.yaml"], "none.yaml"),
