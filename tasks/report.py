@@ -33,9 +33,14 @@ def add_epoch_axis(ax, steps: list[int], epochs: list[float]) -> None:
     """An epoch scale on top (the step-to-epoch relation the run recorded), if any."""
     if len(steps) < 2:
         return
+    # Extended linearly past both ends: np.interp clamps, and would put the labels of epochs
+    # the run never reached (60 for a 50.8-epoch run) on its last step, over the last label.
+    far = 1e9 * (steps[-1] - steps[0])
+    rate = (epochs[-1] - epochs[0]) / (steps[-1] - steps[0])
+    s = [steps[0] - far, *steps, steps[-1] + far]
+    e = [epochs[0] - far * rate, *epochs, epochs[-1] + far * rate]
     top = ax.secondary_xaxis(
-        "top",
-        functions=(lambda x: np.interp(x, steps, epochs), lambda e: np.interp(e, epochs, steps)),
+        "top", functions=(lambda x: np.interp(x, s, e), lambda y: np.interp(y, e, s))
     )
     top.set_xlabel("epoch")
 

@@ -16,6 +16,9 @@ def test_the_epoch_axis_follows_the_recorded_step_to_epoch_relation():
     to_epoch, to_step = top._functions  # what the tick labels are computed with
     assert np.allclose(to_epoch(np.array([60.0, 90.0])), [0.5, 0.75])
     assert np.allclose(to_step(np.array([1.0])), [120.0])
+    # past the run's last epoch, a tick lands past its last step (not on it, over its label)
+    assert np.allclose(to_step(np.array([2.0])), [240.0])
+    assert np.allclose(to_epoch(np.array([0.0])), [0.0])
     plt.close(fig)
 
 
