@@ -42,6 +42,19 @@ def test_linear_is_f_linear_forward_and_backward_through_onednn(shape, bias):
 
 
 @needs_onednn
+def test_the_output_through_onednn_takes_an_in_place_relu():
+    # model.FeedForward: relu(w1(x), inplace=True); a view out of the Function raised here
+    # (the GPU report's CPU training step on an AVX-512 host, 2026-11-26).
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 7, requires_grad=True), torch.randn(4, 7, requires_grad=True)
+    F.relu(linear(x, w), inplace=True).sum().backward()
+    got = x.grad, w.grad
+    x.grad = w.grad = None
+    F.relu(F.linear(x, w)).sum().backward()
+    torch.testing.assert_close(got, (x.grad, w.grad), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
 def test_linear_takes_strided_weights_as_the_loss_passes_them():
     # loss.py: dz @ W as linear(dz, W^T); dz^T @ h as linear(h^T, dz^T)^T; a weight slice.
     torch.manual_seed(0)

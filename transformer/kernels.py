@@ -133,7 +133,10 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _pointwise(x, weight, bias)
+        out = _pointwise(x, weight, bias)  # an N-D input's result is a view of its 2-D rows
+        # Not a view to autograd (aten's matmul does the same): a view made inside a custom
+        # Function cannot be modified in place, and the FFN's ReLU is.
+        return torch.ops.aten._unsafe_view(out, out.shape) if out._is_view() else out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
