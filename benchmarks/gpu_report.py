@@ -92,6 +92,10 @@ TINY = [
 CONFIGS = {  # name: (params file, overrides)
     "base": ("params/base.yaml", []),
     "big": ("params/big.yaml", []),
+    # the same params under torch.compile (dynamic shapes): measured beside them, the
+    # params' default left to what the numbers say
+    "base compile": ("params/base.yaml", ["train.compile=true"]),
+    "big compile": ("params/big.yaml", ["train.compile=true"]),
     "smoke": ("params/smoke.yaml", []),
     "tiny": ("params/smoke.yaml", TINY),
 }
@@ -155,7 +159,7 @@ GPU = Plan(
     ),
     timed_steps=20,
     warmup_steps=5,
-    loop_cases=(("base", 300), ("big", 200)),
+    loop_cases=(("base", 300), ("base compile", 200), ("big", 200), ("big compile", 150)),
     loop_pairs=100_000,
     loop_max_len=250,
     decode_cases=(("base", "main", 2000), ("big", "main", 1000), ("smoke", "cpu", 500)),
