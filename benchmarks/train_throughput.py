@@ -199,6 +199,8 @@ def measure(
         env["OMP_NUM_THREADS"] = str(threads)
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if any(o == "train.compile=true" for o in overrides):
+        env.setdefault("TORCH_LOGS", "recompiles")  # counted if the case runs out of time
     cmd = [sys.executable, __file__, "--case", name, "--params", params_file]
     cmd += ["--shards", str(shards), "--work", str(work), "--steps", str(steps)]
     cmd += ["--overrides", *overrides]
@@ -207,11 +209,17 @@ def measure(
         done = subprocess.run(
             cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"case {name} did not finish in {timeout:.0f} s") from None
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(
+            f"case {name} did not finish in {timeout:.0f} s: {progress(err.stderr)}"
+        ) from None
     if done.returncode != 0:
         raise RuntimeError(f"case {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+PROGRESS = "progress:"  # a case's stderr line per logging window: what a timeout leaves
+RECOMPILE = "Recompiling function"  # torch's TORCH_LOGS=recompiles line
 
 
 class Recorder:
@@ -221,6 +229,7 @@ class Recorder:
     def log(self, metrics: dict[str, float], step: int) -> None:
         if "train/step_time" in metrics:
             self.train.append(metrics)
+            print(PROGRESS, step, metrics["train/step_time"], file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass
@@ -267,6 +276,21 @@ def run_case(args) -> dict:
         "flops_per_token": flops_per_target_token(params, args.shards),
         "peak_mem_gb": peak_memory_gb(),
     }
+
+
+def progress(stderr: str | bytes | None) -> str:
+    """What a case killed by its timeout had done: updates, the time of the first logging
+    window (compilation included) and of the last, torch.compile's recompilations."""
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or ""
+    windows = [line.split()[1:] for line in text.splitlines() if line.startswith(PROGRESS)]
+    recompiles = text.count(RECOMPILE)
+    if not windows:
+        return f"no logging window ended; {recompiles} recompilation(s) logged"
+    (_, first), (step, last) = windows[0], windows[-1]
+    return (
+        f"{int(step)} updates done, {float(first):.2f} s per update in the first logging "
+        f"window, {float(last):.3f} s in the last; {recompiles} recompilation(s) logged"
+    )
 
 
 def peak_memory_gb() -> float:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +54,28 @@ def test_train_throughput_runs_the_real_loop_on_a_synthetic_corpus(tmp_path):
               "--work", str(tmp_path), "--threads", "1")  # fmt: skip
     rows = [line.split() for line in out.splitlines() if line.startswith("smoke")]
     assert [r[:3] for r in rows] == [["smoke", "1", "pass"], ["smoke", "2", "passes"]]
+
+
+def test_a_case_out_of_time_says_how_far_it_got(tmp_path, monkeypatch, capsys):
+    """The GPU report's torch.compile cases have run out of time before: the row then says
+    how many updates were done, how slow the first (compiling) window was, and how often
+    torch recompiled, from what the killed process had written."""
+    spec = importlib.util.spec_from_file_location("tt", ROOT / "benchmarks/train_throughput.py")
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    recorder = tt.Recorder()
+    recorder.log({"train/step_time": 2.5, "train/tokens_per_update": 9.0}, step=10)
+    recorder.log({"valid/loss": 1.0}, step=20)  # not a training window
+    recorder.log({"train/step_time": 0.05, "train/tokens_per_update": 9.0}, step=20)
+    stderr = capsys.readouterr().err + "V1126 [0/1] [__recompiles] Recompiling function fwd\n"
+    assert tt.progress(stderr.encode()) == (  # bytes: what subprocess's timeout error holds
+        "20 updates done, 2.50 s per update in the first logging window, 0.050 s in the "
+        "last; 1 recompilation(s) logged"
+    )
+    # A real case killed before its first window (a hundredth of a second: still importing).
+    with pytest.raises(RuntimeError, match=r"did not finish in 0 s: no logging window ended"):
+        tt.measure("smoke", "params/smoke.yaml", ["train.compile=true"], tmp_path, 2, tmp_path,
+                   timeout=0.01)  # fmt: skip
 
 
 def test_cpu_gemm_compares_the_two_libraries_on_every_shape():

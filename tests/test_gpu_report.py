@@ -46,6 +46,7 @@ SECTIONS = [
     "decode",
     "bf16 vs fp32",
     "checkpoint",
+    "train loop, compiled",
 ]
 
 
