@@ -135,6 +135,7 @@ class Plan:
     warmup_steps: int
     loop_cases: tuple[tuple[str, int], ...]  # train loop: (config, steps)
     compile_cases: tuple[tuple[str, int], ...]  # the same under torch.compile, last
+    profile_cases: tuple[tuple[str, int], ...]  # profiled training step: (config, max_tokens)
     loop_pairs: int  # the synthetic corpus
     loop_max_len: int
     decode_cases: tuple[tuple[str, str, int], ...]  # (config, device, sentences)
@@ -163,6 +164,7 @@ GPU = Plan(
     warmup_steps=5,
     loop_cases=(("base", 300), ("big", 200)),
     compile_cases=(("base compile", 100), ("big compile", 80)),
+    profile_cases=(("base", 8192), ("base", 32768)),
     loop_pairs=100_000,
     loop_max_len=250,
     decode_cases=(("base", "main", 2000), ("big", "main", 1000), ("smoke", "cpu", 500)),
@@ -180,6 +182,7 @@ CPU = Plan(
     warmup_steps=1,
     loop_cases=(("smoke", 50),),
     compile_cases=(),
+    profile_cases=(("smoke", 2048),),
     loop_pairs=5000,
     loop_max_len=100,
     decode_cases=(("smoke", "main", 200),),
@@ -199,6 +202,7 @@ TINY_PLAN = Plan(
     warmup_steps=1,
     loop_cases=(("tiny", 8),),
     compile_cases=(),
+    profile_cases=(("tiny", 256),),
     loop_pairs=400,
     loop_max_len=20,
     decode_cases=(("tiny", "main", 12),),
@@ -633,6 +637,81 @@ def overfit(params: Params, batch, steps: int, bf16: bool, device: torch.device)
         return [step(batch).item() / batch[3].numel() for _ in range(steps)]
 
 
+PROFILED_STEPS, TOP = 3, 12  # profiled training steps (after as many untimed); rows shown
+
+
+def profile(run: Run) -> Result:
+    """Where a training step of ours spends its time, by torch.profiler: per aten op (the
+    device time of the kernels it launched itself, or its own CPU time off CUDA), per CUDA
+    kernel, and how busy the GPU was: what to fix first when the step is slow."""
+    tables: dict[str, list[dict]] = {"summary": []}
+    for name, max_tokens in run.plan.profile_cases:
+        summary, ops, kernels = profile_case(run, name, max_tokens)
+        tables["summary"].append(summary)
+        tables[f"ops, {name} {max_tokens}"] = ops
+        if kernels:
+            tables[f"kernels, {name} {max_tokens}"] = kernels
+    note = (
+        f"ours, {PROFILED_STEPS} training steps (Adam included) after {PROFILED_STEPS} "
+        "untimed, on the train step section's WMT-like batches, bf16 autocast on CUDA; the "
+        "profiler's own cost is in the wall time; ms are per step; 'share' is of all the "
+        "device time (CPU time off CUDA); op names are aten's, kernel names cut at 90 "
+        "characters"
+    )
+    return Result(tables, [note])
+
+
+def profile_case(run: Run, name: str, max_tokens: int) -> tuple[dict, list, list]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    params, device, n = config(name), run.device, PROFILED_STEPS
+    batches = model_step.wmt_like_batches(2 * n, max_tokens, params.vocab.size, seed=1)
+    batches = [tuple(x.to(device) for x in b) for b in batches]
+    net = model_step.build("ours", params, device, seed=1)
+    adam = build_optimizer(net, params.train, params.model.d_model)[0]
+    step = model_step.make_step(net, adam, bf16=device.type == "cuda")
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with attention.attention_context(device):
+        for batch in batches[:n]:
+            step(batch)
+        sync(device)
+        with profiler(activities=activities) as prof:
+            start = time.perf_counter()
+            for batch in batches[n:]:
+                step(batch)
+            sync(device)
+            wall = (time.perf_counter() - start) / n
+    events = prof.key_averages()
+    on_device = lambda e: str(e.device_type).endswith("CUDA")
+    kernels = [e for e in events if on_device(e)]
+    ops = [e for e in events if not on_device(e)]
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in (kernels if cuda else ops)) or 1.0
+    summary = {
+        "config": name,
+        "max_tok": max_tokens,
+        "device": device.type,
+        "wall ms/step": wall * 1e3,
+        "GPU busy ms/step": sum(own(e) for e in kernels) / 1e3 / n if cuda else None,
+        "GPU busy": sum(own(e) for e in kernels) / 1e6 / n / wall if cuda else None,
+        "kernels/step": sum(e.count for e in kernels) / n if cuda else None,
+        "aten ops/step": sum(e.count for e in ops if e.key.startswith("aten::")) / n,
+    }
+    row = lambda e, col: {
+        col: e.key[:90],
+        "calls/step": e.count / n,
+        "ms/step": own(e) / 1e3 / n,
+        "share": f"{own(e) / total:.1%}",
+    }
+    rows = lambda found, col: [
+        row(e, col) for e in sorted(found, key=own, reverse=True)[:TOP] if own(e) > 0
+    ]
+    del net, adam, step, batches
+    return summary, rows(ops, "op"), rows(kernels, "kernel") if cuda else []
+
+
 def checkpoint(run: Run) -> Result:
     """A training state (model, Adam's moments, schedule) and a model snapshot of the
     plan's model, written as the trainer writes them (atomic_save: write, fsync, rename)."""
@@ -946,6 +1025,7 @@ SECTIONS = {  # the tests early: what the report's figures rest on gets its time
     "decode": decode,
     "bf16 vs fp32": precision,
     "checkpoint": checkpoint,
+    "profile": profile,
     "train loop, compiled": compiled_loop,
 }
 

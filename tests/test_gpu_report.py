@@ -46,6 +46,7 @@ SECTIONS = [
     "decode",
     "bf16 vs fp32",
     "checkpoint",
+    "profile",
     "train loop, compiled",
 ]
 
@@ -107,6 +108,10 @@ def test_each_section_measures_what_it_names(tiny_report):
     assert decode["beam 4, ours"]["sent/s"] > 0
     assert decode["beam 4, MarianMTModel (transformers)"]["sent/s"] > 0  # the GPU's peer
     assert sections["checkpoint"]["tables"][""][0]["GB"] > 0
+    (summary,) = sections["profile"]["tables"]["summary"]
+    assert summary["wall ms/step"] > 0 and summary["aten ops/step"] > 0
+    ops = sections["profile"]["tables"]["ops, tiny 256"]
+    assert "aten::mm" in {r["op"] for r in ops} or "aten::addmm" in {r["op"] for r in ops}
     assert sections["bf16 vs fp32"]["notes"][0].startswith(("agree", "DISAGREE"))
     (counts,) = sections["gpu tests"]["tables"]["counts"]  # every gpu test module imports
     assert counts["failed"] == counts["error"] == 0 and sum(counts.values()) > 0
