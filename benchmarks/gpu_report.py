@@ -135,7 +135,8 @@ class Plan:
     warmup_steps: int
     loop_cases: tuple[tuple[str, int], ...]  # train loop: (config, steps)
     compile_cases: tuple[tuple[str, int], ...]  # the same under torch.compile, last
-    profile_cases: tuple[tuple[str, int], ...]  # profiled training step: (config, max_tokens)
+    profile_cases: tuple[tuple[str, str, int], ...]  # ("train", config, max_tokens) or
+    # ("beam", config, sentences)
     loop_pairs: int  # the synthetic corpus
     loop_max_len: int
     decode_cases: tuple[tuple[str, str, int], ...]  # (config, device, sentences)
@@ -164,7 +165,7 @@ GPU = Plan(
     warmup_steps=5,
     loop_cases=(("base", 300), ("big", 200)),
     compile_cases=(("base compile", 100), ("big compile", 80)),
-    profile_cases=(("base", 8192), ("base", 32768)),
+    profile_cases=(("train", "base", 8192), ("train", "base", 32768), ("beam", "base", 500)),
     loop_pairs=100_000,
     loop_max_len=250,
     decode_cases=(("base", "main", 2000), ("big", "main", 1000), ("smoke", "cpu", 500)),
@@ -182,7 +183,7 @@ CPU = Plan(
     warmup_steps=1,
     loop_cases=(("smoke", 50),),
     compile_cases=(),
-    profile_cases=(("smoke", 2048),),
+    profile_cases=(("train", "smoke", 2048), ("beam", "smoke", 100)),
     loop_pairs=5000,
     loop_max_len=100,
     decode_cases=(("smoke", "main", 200),),
@@ -202,7 +203,7 @@ TINY_PLAN = Plan(
     warmup_steps=1,
     loop_cases=(("tiny", 8),),
     compile_cases=(),
-    profile_cases=(("tiny", 256),),
+    profile_cases=(("train", "tiny", 256), ("beam", "tiny", 8)),
     loop_pairs=400,
     loop_max_len=20,
     decode_cases=(("tiny", "main", 12),),
@@ -641,74 +642,96 @@ PROFILED_STEPS, TOP = 3, 12  # profiled training steps (after as many untimed); 
 
 
 def profile(run: Run) -> Result:
-    """Where a training step of ours spends its time, by torch.profiler: per aten op (the
-    device time of the kernels it launched itself, or its own CPU time off CUDA), per CUDA
-    kernel, and how busy the GPU was: what to fix first when the step is slow."""
+    """Where ours spends its time, by torch.profiler, in a training step and in beam search:
+    per aten op (the device time of the kernels it launched itself; off CUDA its own CPU
+    time), per CUDA kernel, how busy the GPU was and how many kernels it was sent: what to
+    fix first where a rate is short of its target."""
     tables: dict[str, list[dict]] = {"summary": []}
-    for name, max_tokens in run.plan.profile_cases:
-        summary, ops, kernels = profile_case(run, name, max_tokens)
-        tables["summary"].append(summary)
-        tables[f"ops, {name} {max_tokens}"] = ops
+    for kind, name, size in run.plan.profile_cases:
+        work = (training_work if kind == "train" else beam_work)(run, name, size)
+        summary, ops, kernels = profiled(run.device, *work)
+        label = f"{kind} {name} {size}"
+        tables["summary"].append({"work": label, **summary})
+        tables[f"ops, {label}"] = ops
         if kernels:
-            tables[f"kernels, {name} {max_tokens}"] = kernels
-    note = (
-        f"ours, {PROFILED_STEPS} training steps (Adam included) after {PROFILED_STEPS} "
-        "untimed, on the train step section's WMT-like batches, bf16 autocast on CUDA; the "
-        "profiler's own cost is in the wall time; ms are per step; 'share' is of all the "
-        "device time (CPU time off CUDA); op names are aten's, kernel names cut at 90 "
-        "characters"
-    )
-    return Result(tables, [note])
+            tables[f"kernels, {label}"] = kernels
+    notes = [
+        f"train <config> <max_tokens>: ours, {PROFILED_STEPS} training steps (Adam included) "
+        f"after {PROFILED_STEPS} untimed, on the train step section's WMT-like batches",
+        "beam <config> <sentences>: ours, beam 4 as the decode section runs it (the params' "
+        "decode section, random weights, WMT-like sources) after a warm-up batch",
+        "bf16 autocast on CUDA; the profiler's own cost is in the wall time; ms are in all "
+        "(the summary's 'per' says over what); 'share' is of all the device time (CPU time "
+        "off CUDA); op names are aten's, kernel names cut at 90 characters",
+    ]
+    return Result(tables, notes)
 
 
-def profile_case(run: Run, name: str, max_tokens: int) -> tuple[dict, list, list]:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
+def training_work(run: Run, name: str, max_tokens: int) -> tuple[Callable, Callable, str]:
+    """(warm up, the profiled work, what it is) for training steps of ours."""
     params, device, n = config(name), run.device, PROFILED_STEPS
     batches = model_step.wmt_like_batches(2 * n, max_tokens, params.vocab.size, seed=1)
     batches = [tuple(x.to(device) for x in b) for b in batches]
     net = model_step.build("ours", params, device, seed=1)
     adam = build_optimizer(net, params.train, params.model.d_model)[0]
     step = model_step.make_step(net, adam, bf16=device.type == "cuda")
+    steps = lambda some: [step(b) for b in some]
+    return lambda: steps(batches[:n]), lambda: steps(batches[n:]), f"{n} steps"
+
+
+def beam_work(run: Run, name: str, sentences: int) -> tuple[Callable, Callable, str]:
+    """(warm up, the profiled work, what it is) for beam search of ours."""
+    params, dev = config(name), run.device.type
+    torch.manual_seed(0)
+    model = Transformer(params.model, params.vocab.size, pad_id=PAD).to(run.device).eval()
+    sources = decode_bench.wmt_like_sources(sentences, params.vocab.size, seed=0)
+    sources = decode_bench.even_batches(sources, params.decode.max_tokens, params.vocab.size, 1)
+    go = lambda some: decode_bench.run(
+        decode_bench.EndsWithSource(model), some, params.decode, "beam", dev
+    )
+    return lambda: go(sources[:16]), lambda: go(sources), f"{sentences} sentences"
+
+
+def profiled(device: torch.device, warm: Callable, work: Callable, per: str):
+    """The summary, the top ops and the top CUDA kernels of `work()`, after `warm()`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with attention.attention_context(device):
-        for batch in batches[:n]:
-            step(batch)
+        warm()
         sync(device)
         with profiler(activities=activities) as prof:
             start = time.perf_counter()
-            for batch in batches[n:]:
-                step(batch)
+            work()
             sync(device)
-            wall = (time.perf_counter() - start) / n
+            wall = time.perf_counter() - start
     events = prof.key_averages()
     on_device = lambda e: str(e.device_type).endswith("CUDA")
     kernels = [e for e in events if on_device(e)]
     ops = [e for e in events if not on_device(e)]
     own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    busy = sum(own(e) for e in kernels) / 1e3  # ms
     total = sum(own(e) for e in (kernels if cuda else ops)) or 1.0
     summary = {
-        "config": name,
-        "max_tok": max_tokens,
         "device": device.type,
-        "wall ms/step": wall * 1e3,
-        "GPU busy ms/step": sum(own(e) for e in kernels) / 1e3 / n if cuda else None,
-        "GPU busy": sum(own(e) for e in kernels) / 1e6 / n / wall if cuda else None,
-        "kernels/step": sum(e.count for e in kernels) / n if cuda else None,
-        "aten ops/step": sum(e.count for e in ops if e.key.startswith("aten::")) / n,
+        "per": per,
+        "wall ms": wall * 1e3,
+        "GPU busy ms": busy if cuda else None,
+        "GPU busy": busy / 1e3 / wall if cuda else None,
+        "kernels": sum(e.count for e in kernels) if cuda else None,
+        "aten ops": sum(e.count for e in ops if e.key.startswith("aten::")),
     }
     row = lambda e, col: {
         col: e.key[:90],
-        "calls/step": e.count / n,
-        "ms/step": own(e) / 1e3 / n,
+        "calls": e.count,
+        "ms": own(e) / 1e3,
         "share": f"{own(e) / total:.1%}",
     }
     rows = lambda found, col: [
         row(e, col) for e in sorted(found, key=own, reverse=True)[:TOP] if own(e) > 0
     ]
-    del net, adam, step, batches
     return summary, rows(ops, "op"), rows(kernels, "kernel") if cuda else []
 
 
