@@ -797,7 +797,12 @@ def decode(run: Run) -> Result:
             rows.append({**row, "status": model_step.failure(err)})
             continue
         rows += case
-        ours, marian, ct2 = case[0], case[2], case[3]
+        ours, marian, ct2, wide = case[0], case[2], case[3], case[4]
+        if "tok/s" in ours and "tok/s" in wide:
+            notes.append(
+                f"{name} on {ours['device']}: {WIDER}x wider batches / the params' = "
+                f"{wide['tok/s'] / ours['tok/s']:.2f}x target tokens/s"
+            )
         for peer_row, peer_name in ((ct2, "CTranslate2"), (marian, "MarianMTModel")):
             if "sent/s" in ours and "sent/s" in peer_row:
                 notes.append(
@@ -810,6 +815,9 @@ def decode(run: Run) -> Result:
         "does, for both decoders (benchmarks/decode.py; python benchmarks/decode.py --configs "
         "base,big --modes beam,ct2-beam measures the same alone); the params' decode section "
         "(beam 4, alpha 0.6, max length source + 50, decode.max_tokens per batch)",
+        f"ours, <N>-token batches: the same search with decode.max_tokens {WIDER}x the "
+        "params' (sources evened to the longest of these larger batches: longer outputs, so "
+        "compare tok/s)",
         "torch default attention: the same search with no sdpa_kernel restriction, on the "
         "first sentences only and first calls included, as a translate run without "
         "transformer.attention would pay them",
@@ -830,6 +838,8 @@ def decode_case(run: Run, name: str, device: torch.device, n: int) -> list[dict]
     row = {"config": name, "device": dev, "precision": "bf16" if dev == "cuda" else "fp32"}
     with attention.attention_context(device):
         ours = {**row, "search": "beam 4, ours", **rate(go, sources, warm_up=True)}
+        wide = wide_batches(searcher, n, params, dev)
+        wide = {**row, "search": f"beam 4, ours, {wide[0]:,}-token batches", **wide[1]}
     default = {**row, "search": "beam 4, ours, torch default attention"}
     if dev == "cuda":
         first = sources[: run.plan.default_sentences]
@@ -845,7 +855,21 @@ def decode_case(run: Run, name: str, device: torch.device, n: int) -> list[dict]
         {**row, "search": "beam 4, CTranslate2"},
         lambda: ctranslate2_rate(model, sources, pieces, cfg, dev),
     )
-    return [ours, default, marian, ct2]
+    return [ours, default, marian, ct2, wide]
+
+
+WIDER = 4  # the wide-batch row: decode.max_tokens times this
+
+
+def wide_batches(searcher, n: int, params: Params, dev: str) -> tuple[int, dict]:
+    """The same search in batches WIDER times as large: on a GPU a step's cost is mostly
+    the host's, the same for 250 sentences as for 1,000. Sources evened per (larger) batch,
+    so longer on average than the params' batches make them: compare tok/s."""
+    cfg = params.decode.model_copy(update={"max_tokens": WIDER * params.decode.max_tokens})
+    sources = decode_bench.wmt_like_sources(n, params.vocab.size, seed=0)
+    sources = decode_bench.even_batches(sources, cfg.max_tokens, params.vocab.size, seed=1)
+    go = lambda s: decode_bench.run(searcher, s, cfg, "beam", dev)
+    return cfg.max_tokens, rate(go, sources)
 
 
 def rate(go: Callable, sources: list, warm_up: bool = False) -> dict:

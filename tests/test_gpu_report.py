@@ -106,6 +106,8 @@ def test_each_section_measures_what_it_names(tiny_report):
     assert sections["train loop"]["tables"][""][0]["tgt tok/s"] > 0
     decode = {r["search"]: r for r in sections["decode"]["tables"][""]}
     assert decode["beam 4, ours"]["sent/s"] > 0
+    (wide,) = [r for k, r in decode.items() if k.endswith("-token batches")]  # 4x the params'
+    assert wide["tok/s"] > 0 and wide["sentences"] == decode["beam 4, ours"]["sentences"]
     assert decode["beam 4, MarianMTModel (transformers)"]["sent/s"] > 0  # the GPU's peer
     assert sections["checkpoint"]["tables"][""][0]["GB"] > 0
     profiled = sections["profile"]["tables"]
@@ -241,7 +243,7 @@ def test_a_config_that_fails_keeps_the_other_configs_rows(gpu_report, monkeypatc
 
     def decode_case(run, name, *args):
         fails_for_big(run, name)
-        return [ours, {}, {}, {}]  # ours, torch default attention, Marian, CTranslate2
+        return [ours, {}, {}, {}, {}]  # ours, torch default attention, Marian, CT2, wider
 
     monkeypatch.setattr(gpu_report, "decode_case", decode_case)
     rows = gpu_report.decode(run).tables[""]
