@@ -684,8 +684,7 @@ def beam_work(run: Run, name: str, sentences: int) -> tuple[Callable, Callable, 
     params, dev = config(name), run.device.type
     torch.manual_seed(0)
     model = Transformer(params.model, params.vocab.size, pad_id=PAD).to(run.device).eval()
-    sources = decode_bench.wmt_like_sources(sentences, params.vocab.size, seed=0)
-    sources = decode_bench.even_batches(sources, params.decode.max_tokens, params.vocab.size, 1)
+    sources = decode_sources(params, sentences, params.decode.max_tokens)
     go = lambda some: decode_bench.run(
         decode_bench.EndsWithSource(model), some, params.decode, "beam", dev
     )
@@ -831,15 +830,22 @@ def decode_case(run: Run, name: str, device: torch.device, n: int) -> list[dict]
     vocab, cfg, dev = params.vocab.size, params.decode, device.type
     torch.manual_seed(0)
     model = Transformer(params.model, vocab, pad_id=PAD).to(device).eval()
-    sources = decode_bench.wmt_like_sources(n, vocab, seed=0)
-    sources = decode_bench.even_batches(sources, cfg.max_tokens, vocab, seed=1)
+    sources = decode_sources(params, n, cfg.max_tokens)
     searcher = decode_bench.EndsWithSource(model)
-    go = lambda s: decode_bench.run(searcher, s, cfg, "beam", dev)
+    go = lambda s, cfg=cfg: decode_bench.run(searcher, s, cfg, "beam", dev)
+    # The same search in batches WIDER times as large: if a GPU's step costs the host the
+    # same for 4x the sentences, these show it. Sources evened per larger batch, so longer
+    # on average: compare tok/s.
+    wide_cfg = cfg.model_copy(update={"max_tokens": WIDER * cfg.max_tokens})
+    wide_sources = decode_sources(params, n, wide_cfg.max_tokens)
     row = {"config": name, "device": dev, "precision": "bf16" if dev == "cuda" else "fp32"}
     with attention.attention_context(device):
         ours = {**row, "search": "beam 4, ours", **rate(go, sources, warm_up=True)}
-        wide = wide_batches(searcher, n, params, dev)
-        wide = {**row, "search": f"beam 4, ours, {wide[0]:,}-token batches", **wide[1]}
+        wide = {
+            **row,
+            "search": f"beam 4, ours, {wide_cfg.max_tokens:,}-token batches",
+            **rate(lambda s: go(s, wide_cfg), wide_sources),
+        }
     default = {**row, "search": "beam 4, ours, torch default attention"}
     if dev == "cuda":
         first = sources[: run.plan.default_sentences]
@@ -861,15 +867,11 @@ def decode_case(run: Run, name: str, device: torch.device, n: int) -> list[dict]
 WIDER = 4  # the wide-batch row: decode.max_tokens times this
 
 
-def wide_batches(searcher, n: int, params: Params, dev: str) -> tuple[int, dict]:
-    """The same search in batches WIDER times as large: on a GPU a step's cost is mostly
-    the host's, the same for 250 sentences as for 1,000. Sources evened per (larger) batch,
-    so longer on average than the params' batches make them: compare tok/s."""
-    cfg = params.decode.model_copy(update={"max_tokens": WIDER * params.decode.max_tokens})
+def decode_sources(params: Params, n: int, max_tokens: int) -> list[list[int]]:
+    """n WMT-like random sources, each batch of `max_tokens` evened to its longest
+    (benchmarks/decode.py says why)."""
     sources = decode_bench.wmt_like_sources(n, params.vocab.size, seed=0)
-    sources = decode_bench.even_batches(sources, cfg.max_tokens, params.vocab.size, seed=1)
-    go = lambda s: decode_bench.run(searcher, s, cfg, "beam", dev)
-    return cfg.max_tokens, rate(go, sources)
+    return decode_bench.even_batches(sources, max_tokens, params.vocab.size, seed=1)
 
 
 def rate(go: Callable, sources: list, warm_up: bool = False) -> dict:

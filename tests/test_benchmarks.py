@@ -56,7 +56,7 @@ def test_train_throughput_runs_the_real_loop_on_a_synthetic_corpus(tmp_path):
     assert [r[:3] for r in rows] == [["smoke", "1", "pass"], ["smoke", "2", "passes"]]
 
 
-def test_a_case_out_of_time_says_how_far_it_got(tmp_path, monkeypatch, capsys):
+def test_a_case_out_of_time_says_how_far_it_got(tmp_path, capsys):
     """The GPU report's torch.compile cases have run out of time before: the row then says
     how many updates were done, how slow the first (compiling) window was, and how often
     torch recompiled, from what the killed process had written."""
