@@ -299,7 +299,9 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
         # time already past means the next run an interval later).
         due = datetime.now(UTC) + timedelta(seconds=15)
         added = [{"schedule": {"interval": 3600, "anchor_date": due.isoformat()}, "active": True}]
-        assert _api(api, "POST", f"deployments/{deployment['id']}/schedules", added)
+        # A write, not retried: time enough for a server busy with the served flow's start
+        # (10 s ran out once under the full suite on 2 cores).
+        assert _api(api, "POST", f"deployments/{deployment['id']}/schedules", added, timeout=60)
         query = {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}}
 
         def scheduled_run_completed() -> bool:
@@ -336,13 +338,13 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
                 proc.wait(timeout=60)
 
 
-def _api(api: str, method: str, path: str, body: dict | None = None):
+def _api(api: str, method: str, path: str, body: dict | None = None, timeout: float = 10):
     """A call to Prefect's REST API; None if it does not answer (yet)."""
     data = json.dumps(body or {}).encode() if method == "POST" else None
     request = urllib.request.Request(f"{api}/{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"})  # fmt: skip
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except OSError:
         return None
