@@ -149,7 +149,13 @@ def test_manifest_counts_and_inputs(corpus, shards):
     _, model = corpus
     manifest = json.loads((shards / "manifest.json").read_text())
     assert manifest["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
-    assert manifest["config"] == {"bucket_width": 8, "rows_per_shard": 40, "workers": 1}
+    assert manifest["config"] == {
+        "bucket_width": 8,
+        "rows_per_shard": 40,
+        "workers": 1,
+        "bpe_dropout": 0.0,
+        "copies": 1,
+    }
     assert manifest["inputs"]["spm.model"] == manifest["spm_model"]["sha256"]
     assert (shards / "spm.model").read_bytes() == model.read_bytes()
     for role, n in [("train", 300), ("valid", 40), ("test", 30)]:

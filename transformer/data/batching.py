@@ -77,6 +77,7 @@ class ShardDataset:
             raise DataError(f"{shards_dir}: no role '{role}' in the manifest")
         self.shards_dir = shards_dir
         self.fingerprint: str = manifest["fingerprint"]
+        self.copies: int = manifest["roles"][role].get("copies", 1)  # BPE-dropout draws
         self.spm_model = shards_dir / SPM_MODEL
         self._src: list[tuple[np.ndarray, np.ndarray]] = []  # per file: (offsets, values)
         self._tgt: list[tuple[np.ndarray, np.ndarray]] = []
@@ -364,8 +365,9 @@ class BatchLoader:
 
     @property
     def epochs_done(self) -> float:
-        """Epochs of this rank's batches consumed so far (fractional)."""
-        return self._state["consumed"] / max(self.sampler.batches_per_rank, 1)
+        """Passes over the corpus so far (fractional): a pass over this rank's batches of
+        shards holding the corpus `copies` times is that many."""
+        return self.dataset.copies * self._state["consumed"] / max(self.sampler.batches_per_rank, 1)
 
     def load_state_dict(self, state: dict) -> None:
         self.close()

@@ -17,6 +17,14 @@ that each load the model once; only the per-bucket buffers (at most rows_per_sha
 each) sit in memory. The chunk results come back in order and every file but a bucket's
 last holds exactly rows_per_shard rows, so the output is byte-identical for any number of
 workers, and the fingerprint names the data, not the run.
+
+BPE-dropout (`bpe_dropout` > 0; Provilkov et al., 2020) is the exception: the training split
+is encoded `copies` times (`id` repeats), each pair's merges dropped at random, so that the
+model sees a word split several ways and learns its pieces' composition. Those draws
+are sentencepiece's, which cannot be replayed: its generator is salted per process
+(Abseil's BitGen), so a seed gives the same draws within one process only. A rebuild is
+then new data, with its own fingerprint; the stage cache, keyed on params, reuses a
+finished build as for any other stage.
 """
 
 from __future__ import annotations
@@ -55,8 +63,8 @@ SCHEMA = pa.schema(
     [("id", pa.int64()), ("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32()))]
 )
 
-# (row id of the first pair, source texts, target texts)
-Chunk = tuple[int, pa.Array, pa.Array]
+# (row id of the first pair, source texts, target texts, whether to sample its segmentation)
+Chunk = tuple[int, pa.Array, pa.Array, bool]
 # bucket -> the chunk's pairs that fall in it
 Encoded = dict[int, pa.RecordBatch]
 # chunks -> their encodings, in order
@@ -79,11 +87,16 @@ def encode_and_shard(clean_dir: Path, spm_model: Path, cfg: ShardConfig, out_dir
     load_spm(spm_model)  # wrong special ids: fail here, not in a worker
     with atomic_dir(out_dir) as tmp:
         shutil.copyfile(spm_model, tmp / SPM_MODEL)
-        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, _n_workers(cfg.workers)) as encode:
-            roles = {
-                role: _shard_role(path, encode, tmp / role, cfg.rows_per_shard)
-                for role, path in parquets.items()
-            }
+        workers = _n_workers(cfg.workers)
+        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, cfg.bpe_dropout, workers) as encode:
+            roles = {}
+            for role, path in parquets.items():  # valid and test: as the decoder sees text
+                copies, sampled = (
+                    (cfg.copies, cfg.bpe_dropout > 0) if role == "train" else (1, False)
+                )
+                roles[role] = _shard_role(
+                    path, encode, tmp / role, cfg.rows_per_shard, copies, sampled
+                )
         manifest = _manifest(cfg, parquets, tmp / SPM_MODEL, roles)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return manifest
@@ -157,14 +170,14 @@ def load_manifest(out_dir: Path) -> dict:
 class _ChunkEncoder:
     """Encodes a chunk of pairs and splits it by length bucket."""
 
-    def __init__(self, spm_model: Path, bucket_width: int):
+    def __init__(self, spm_model: Path, bucket_width: int, bpe_dropout: float):
         self.sp = load_spm(spm_model)
-        self.bucket_width = bucket_width
+        self.bucket_width, self.bpe_dropout = bucket_width, bpe_dropout
 
     def __call__(self, chunk: Chunk) -> Encoded:
-        first_id, src_text, tgt_text = chunk
-        src = self._encode(src_text)
-        tgt = self._encode(tgt_text)
+        first_id, src_text, tgt_text, sampled = chunk
+        src = self._encode(src_text, sampled)
+        tgt = self._encode(tgt_text, sampled)
         longer = np.maximum(np.diff(src.offsets), np.diff(tgt.offsets))
         bucket = longer // self.bucket_width
         order = np.argsort(bucket, kind="stable")  # stable: rows stay in corpus order
@@ -178,9 +191,10 @@ class _ChunkEncoder:
             )
         return out
 
-    def _encode(self, texts: pa.Array) -> pa.ListArray:
+    def _encode(self, texts: pa.Array, sample: bool) -> pa.ListArray:
         # One thread per process: the parallelism is the process pool.
-        seqs = self.sp.encode(texts.to_pylist(), add_eos=True, num_threads=1)
+        sampling = {"enable_sampling": True, "alpha": self.bpe_dropout} if sample else {}
+        seqs = self.sp.encode(texts.to_pylist(), add_eos=True, num_threads=1, **sampling)
         # Flattening through numpy is ~10x faster than pa.array(list_of_lists).
         offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(np.fromiter(map(len, seqs), np.int32, len(seqs)), out=offsets[1:])
@@ -191,9 +205,9 @@ class _ChunkEncoder:
 _WORKER: _ChunkEncoder | None = None
 
 
-def _init_worker(spm_model: Path, bucket_width: int) -> None:
+def _init_worker(spm_model: Path, bucket_width: int, bpe_dropout: float) -> None:
     global _WORKER
-    _WORKER = _ChunkEncoder(spm_model, bucket_width)
+    _WORKER = _ChunkEncoder(spm_model, bucket_width, bpe_dropout)
 
 
 def _encode_in_worker(chunk: Chunk) -> Encoded:
@@ -202,10 +216,10 @@ def _encode_in_worker(chunk: Chunk) -> Encoded:
 
 
 @contextmanager
-def _encoder(spm_model: Path, bucket_width: int, workers: int):
+def _encoder(spm_model: Path, bucket_width: int, bpe_dropout: float, workers: int):
     """Yield `encode(chunks) -> iterator of Encoded`, in order, with bounded memory."""
     if workers == 1:
-        encoder = _ChunkEncoder(spm_model, bucket_width)
+        encoder = _ChunkEncoder(spm_model, bucket_width, bpe_dropout)
         yield lambda chunks: map(encoder, chunks)
         return
     # forkserver: unlike fork, safe when the caller (a Prefect worker) holds threads and
@@ -214,7 +228,7 @@ def _encoder(spm_model: Path, bucket_width: int, workers: int):
         workers,
         mp_context=get_context("forkserver"),
         initializer=_init_worker,
-        initargs=(spm_model, bucket_width),
+        initargs=(spm_model, bucket_width, bpe_dropout),
     ) as pool:
         yield lambda chunks: _ordered_map(pool, chunks, window=2 * workers)
 
@@ -237,7 +251,14 @@ def _n_workers(workers: int) -> int:
 # --------------------------------------------------------------------------- one role
 
 
-def _read_chunks(path: Path) -> Iterator[Chunk]:
+def _read_chunks(path: Path, copies: int, sampled: bool) -> Iterator[Chunk]:
+    """The corpus in chunks, `copies` times over."""
+    for _ in range(copies):
+        for first, src, tgt in _read_text(path):
+            yield first, src, tgt, sampled
+
+
+def _read_text(path: Path) -> Iterator[tuple[int, pa.Array, pa.Array]]:
     try:
         reader = pq.ParquetFile(path)
         types = [reader.schema_arrow.field(name).type for name in ("src", "tgt")]
@@ -255,17 +276,19 @@ def _read_chunks(path: Path) -> Iterator[Chunk]:
         first += batch.num_rows
 
 
-def _shard_role(parquet: Path, encode: Encode, role_dir: Path, limit: int) -> dict:
+def _shard_role(
+    parquet: Path, encode: Encode, role_dir: Path, limit: int, copies: int, sampled: bool
+) -> dict:
     writer = _RoleWriter(role_dir, limit)
-    rows = pq.ParquetFile(parquet).metadata.num_rows
+    rows = pq.ParquetFile(parquet).metadata.num_rows * copies
     progress = Progress(f"encoding {role_dir.name}", rows, "pairs", log)
-    for encoded in encode(_read_chunks(parquet)):
+    for encoded in encode(_read_chunks(parquet, copies, sampled)):
         for bucket, batch in encoded.items():
             writer.add(bucket, batch)
         progress.update(sum(batch.num_rows for batch in encoded.values()))
     progress.close()
     writer.close()
-    summary = _role_summary(writer.files, pq.ParquetFile(parquet).metadata.num_rows, parquet)
+    summary = _role_summary(writer.files, rows, parquet) | {"copies": copies}
     log.info(
         "sharded %s: %d pairs, %d + %d subwords, %d files",
         role_dir.name,
