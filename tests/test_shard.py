@@ -272,3 +272,42 @@ def test_ids_fit_the_schema(shards):
     t = _read(next((shards / "train").glob("*.arrow")))
     assert t.schema == shard.SCHEMA
     assert np.asarray(t.column("src").combine_chunks().values).min() > PAD
+
+
+def test_bpe_dropout_encodes_train_copies_times_each_split_another_way(corpus, shards, tmp_path):
+    clean, model = corpus
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    cfg = ShardConfig(bucket_width=8, rows_per_shard=40, workers=2, bpe_dropout=0.3, copies=3)
+    manifest = encode_and_shard(clean, model, cfg, tmp_path / "sampled")
+    table = pq.read_table(clean / "train.parquet").to_pydict()
+    plain = _rows(shards, "train")
+    segmentations: dict[int, set] = {}
+    for path in sorted((tmp_path / "sampled" / "train").glob("*.arrow")):
+        t = _read(path).to_pydict()
+        for i, src, tgt in zip(t["id"], t["src"], t["tgt"], strict=True):
+            assert sp.decode(src[:-1]) == table["src"][i]  # another split, the same text
+            assert sp.decode(tgt[:-1]) == table["tgt"][i]
+            segmentations.setdefault(i, set()).add((tuple(src), tuple(tgt)))
+    assert manifest["roles"]["train"]["rows"] == 3 * 300
+    assert manifest["roles"]["train"]["copies"] == 3
+    assert sorted(segmentations) == list(range(300))  # every pair, in its copies
+    # Dropped merges make more, shorter pieces; the copies are draws of their own.
+    assert manifest["roles"]["train"]["tgt_tokens"] > 3 * sum(len(g) for _, g, _ in plain.values())
+    assert sum(len(s) > 1 for s in segmentations.values()) > 250
+    for role in ("valid", "test"):  # as the decoder sees text: the plain encoding
+        assert _rows(tmp_path / "sampled", role) == _rows(shards, role)
+        assert manifest["roles"][role]["copies"] == 1
+
+
+def test_an_epoch_over_copies_counts_as_that_many_passes(corpus, tmp_path):
+    from transformer.data.batching import BatchLoader, ShardDataset, TokenBatchSampler
+
+    clean, model = corpus
+    cfg = ShardConfig(bucket_width=8, rows_per_shard=40, workers=1, bpe_dropout=0.1, copies=4)
+    encode_and_shard(clean, model, cfg, tmp_path / "sampled")
+    dataset = ShardDataset(tmp_path / "sampled", "train")
+    loader = BatchLoader(dataset, TokenBatchSampler.from_dataset(dataset, max_tokens=400))
+    batches = sum(1 for _ in zip(range(loader.sampler.batches_per_rank), loader, strict=False))
+    loader.close()
+    assert dataset.copies == 4 and len(dataset) == 1200
+    assert loader.epochs_done == pytest.approx(4.0) and batches == loader.sampler.batches_per_rank

@@ -20,11 +20,12 @@ workers, and the fingerprint names the data, not the run.
 
 BPE-dropout (`bpe_dropout` > 0; Provilkov et al., 2020) is the exception: the training split
 is encoded `copies` times (`id` repeats), each pair's merges dropped at random, so that the
-model sees a word split several ways and learns its pieces' composition. Those draws
-are sentencepiece's, which cannot be replayed: its generator is salted per process
-(Abseil's BitGen), so a seed gives the same draws within one process only. A rebuild is
-then new data, with its own fingerprint; the stage cache, keyed on params, reuses a
-finished build as for any other stage.
+model sees a word split several ways and learns its pieces' composition. The draws are
+sentencepiece's, and they cannot be replayed: with sentencepiece 0.2.3, a seed
+(`set_random_generator_seed`) repeats them within a process, not in another process (nor
+in a forkserver worker), so no seed is offered here. A rebuild is new data, with a
+fingerprint of its own; the stage cache, keyed on params, reuses a finished build as it
+does any other stage's.
 """
 
 from __future__ import annotations
