@@ -64,8 +64,8 @@ SCHEMA = pa.schema(
     [("id", pa.int64()), ("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32()))]
 )
 
-# (row id of the first pair, source texts, target texts, whether to sample its segmentation)
-Chunk = tuple[int, pa.Array, pa.Array, bool]
+# (row id of the first pair, source texts, target texts, BPE-dropout rate: 0 = plain)
+Chunk = tuple[int, pa.Array, pa.Array, float]
 # bucket -> the chunk's pairs that fall in it
 Encoded = dict[int, pa.RecordBatch]
 # chunks -> their encodings, in order
@@ -88,15 +88,12 @@ def encode_and_shard(clean_dir: Path, spm_model: Path, cfg: ShardConfig, out_dir
     load_spm(spm_model)  # wrong special ids: fail here, not in a worker
     with atomic_dir(out_dir) as tmp:
         shutil.copyfile(spm_model, tmp / SPM_MODEL)
-        workers = _n_workers(cfg.workers)
-        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, cfg.bpe_dropout, workers) as encode:
+        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, _n_workers(cfg.workers)) as encode:
             roles = {}
             for role, path in parquets.items():  # valid and test: as the decoder sees text
-                copies, sampled = (
-                    (cfg.copies, cfg.bpe_dropout > 0) if role == "train" else (1, False)
-                )
+                copies, dropout = (cfg.copies, cfg.bpe_dropout) if role == "train" else (1, 0.0)
                 roles[role] = _shard_role(
-                    path, encode, tmp / role, cfg.rows_per_shard, copies, sampled
+                    path, encode, tmp / role, cfg.rows_per_shard, copies, dropout
                 )
         manifest = _manifest(cfg, parquets, tmp / SPM_MODEL, roles)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
@@ -171,14 +168,14 @@ def load_manifest(out_dir: Path) -> dict:
 class _ChunkEncoder:
     """Encodes a chunk of pairs and splits it by length bucket."""
 
-    def __init__(self, spm_model: Path, bucket_width: int, bpe_dropout: float):
+    def __init__(self, spm_model: Path, bucket_width: int):
         self.sp = load_spm(spm_model)
-        self.bucket_width, self.bpe_dropout = bucket_width, bpe_dropout
+        self.bucket_width = bucket_width
 
     def __call__(self, chunk: Chunk) -> Encoded:
-        first_id, src_text, tgt_text, sampled = chunk
-        src = self._encode(src_text, sampled)
-        tgt = self._encode(tgt_text, sampled)
+        first_id, src_text, tgt_text, dropout = chunk
+        src = self._encode(src_text, dropout)
+        tgt = self._encode(tgt_text, dropout)
         longer = np.maximum(np.diff(src.offsets), np.diff(tgt.offsets))
         bucket = longer // self.bucket_width
         order = np.argsort(bucket, kind="stable")  # stable: rows stay in corpus order
@@ -192,9 +189,9 @@ class _ChunkEncoder:
             )
         return out
 
-    def _encode(self, texts: pa.Array, sample: bool) -> pa.ListArray:
+    def _encode(self, texts: pa.Array, dropout: float) -> pa.ListArray:
         # One thread per process: the parallelism is the process pool.
-        sampling = {"enable_sampling": True, "alpha": self.bpe_dropout} if sample else {}
+        sampling = {"enable_sampling": True, "alpha": dropout} if dropout else {}
         seqs = self.sp.encode(texts.to_pylist(), add_eos=True, num_threads=1, **sampling)
         # Flattening through numpy is ~10x faster than pa.array(list_of_lists).
         offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
@@ -206,9 +203,9 @@ class _ChunkEncoder:
 _WORKER: _ChunkEncoder | None = None
 
 
-def _init_worker(spm_model: Path, bucket_width: int, bpe_dropout: float) -> None:
+def _init_worker(spm_model: Path, bucket_width: int) -> None:
     global _WORKER
-    _WORKER = _ChunkEncoder(spm_model, bucket_width, bpe_dropout)
+    _WORKER = _ChunkEncoder(spm_model, bucket_width)
 
 
 def _encode_in_worker(chunk: Chunk) -> Encoded:
@@ -217,10 +214,10 @@ def _encode_in_worker(chunk: Chunk) -> Encoded:
 
 
 @contextmanager
-def _encoder(spm_model: Path, bucket_width: int, bpe_dropout: float, workers: int):
+def _encoder(spm_model: Path, bucket_width: int, workers: int):
     """Yield `encode(chunks) -> iterator of Encoded`, in order, with bounded memory."""
     if workers == 1:
-        encoder = _ChunkEncoder(spm_model, bucket_width, bpe_dropout)
+        encoder = _ChunkEncoder(spm_model, bucket_width)
         yield lambda chunks: map(encoder, chunks)
         return
     # forkserver: unlike fork, safe when the caller (a Prefect worker) holds threads and
@@ -229,7 +226,7 @@ def _encoder(spm_model: Path, bucket_width: int, bpe_dropout: float, workers: in
         workers,
         mp_context=get_context("forkserver"),
         initializer=_init_worker,
-        initargs=(spm_model, bucket_width, bpe_dropout),
+        initargs=(spm_model, bucket_width),
     ) as pool:
         yield lambda chunks: _ordered_map(pool, chunks, window=2 * workers)
 
@@ -252,11 +249,11 @@ def _n_workers(workers: int) -> int:
 # --------------------------------------------------------------------------- one role
 
 
-def _read_chunks(path: Path, copies: int, sampled: bool) -> Iterator[Chunk]:
+def _read_chunks(path: Path, copies: int, dropout: float) -> Iterator[Chunk]:
     """The corpus in chunks, `copies` times over."""
     for _ in range(copies):
         for first, src, tgt in _read_text(path):
-            yield first, src, tgt, sampled
+            yield first, src, tgt, dropout
 
 
 def _read_text(path: Path) -> Iterator[tuple[int, pa.Array, pa.Array]]:
@@ -278,12 +275,12 @@ def _read_text(path: Path) -> Iterator[tuple[int, pa.Array, pa.Array]]:
 
 
 def _shard_role(
-    parquet: Path, encode: Encode, role_dir: Path, limit: int, copies: int, sampled: bool
+    parquet: Path, encode: Encode, role_dir: Path, limit: int, copies: int, dropout: float
 ) -> dict:
     writer = _RoleWriter(role_dir, limit)
     rows = pq.ParquetFile(parquet).metadata.num_rows * copies
     progress = Progress(f"encoding {role_dir.name}", rows, "pairs", log)
-    for encoded in encode(_read_chunks(parquet, copies, sampled)):
+    for encoded in encode(_read_chunks(parquet, copies, dropout)):
         for bucket, batch in encoded.items():
             writer.add(bucket, batch)
         progress.update(sum(batch.num_rows for batch in encoded.values()))
