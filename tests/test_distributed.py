@@ -113,6 +113,8 @@ def _losses(out: str) -> list[float]:
 
 SHARED_BLEU = """\
 import json
+import sys
+from pathlib import Path
 from transformer.distributed import init_distributed, shutdown
 from transformer.validate import shared_bleu
 
@@ -120,7 +122,7 @@ env = init_distributed()
 # Rank 0 decodes its sentences perfectly, rank 1 its own badly: only the whole scores.
 pairs = [(0, "a cat sits on the red mat", "a cat sits on the red mat")] if env.rank == 0 else [
     (1, "dogs", "two dogs run across a green field")]
-print(json.dumps({"rank": env.rank, "bleu": shared_bleu(pairs, env)}))
+Path(sys.argv[1], f"{env.rank}.json").write_text(json.dumps(shared_bleu(pairs, env)))
 shutdown()
 """
 
@@ -133,9 +135,11 @@ def test_validation_bleu_is_the_same_number_on_every_rank(tmp_path):
     script.write_text(SHARED_BLEU)
     torchrun = [sys.executable, "-m", "tasks.torchrun", "--nnodes", "1", "--nproc_per_node",
                 "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]  # fmt: skip
-    done = subprocess.run([*torchrun, str(script)], env={**ENV, "PYTHONPATH": str(ROOT)},
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    # One file per rank: two ranks printing to one pipe can interleave their lines (CI saw
+    # '{"rank": 0, ...}{"rank": 1, ...}' on one line).
+    done = subprocess.run([*torchrun, str(script), str(tmp_path)], cwd=ROOT, capture_output=True,
+                          env={**ENV, "PYTHONPATH": str(ROOT)}, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    scores = {r["rank"]: r["bleu"] for r in map(json.loads, done.stdout.splitlines())}
+    scores = {int(f.stem): json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
     assert set(scores) == {0, 1}
     assert scores[0] == scores[1] > 0
