@@ -123,8 +123,8 @@ def _write(tmp_path, text, name="p.yaml"):
         (["export.quantization=int4"], "export.quantization", "int8"),
         (["export.formats=[onnx]"], "export.formats", "ctranslate2"),
         (["train.adam_betas=[0.9,1.5]"], "train.adam_betas", "[0, 1)"),
-        (["shard.copies=3"], "shard.copies", "bpe_dropout > 0"),
-        (["shard.bpe_dropout=0.1", "vocab.model_type=unigram"], "shard.bpe_dropout", "bpe"),
+        (["shard.copies=3"], "shard.copies", "tgt_bpe_dropout > 0"),
+        (["shard.tgt_bpe_dropout=0.1", "vocab.model_type=unigram"], "shard.tgt_bpe_dropout", "bpe"),
     ],
 )
 def test_bad_values_name_the_file_and_key(overrides, key, fragment):

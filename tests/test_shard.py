@@ -153,7 +153,8 @@ def test_manifest_counts_and_inputs(corpus, shards):
         "bucket_width": 8,
         "rows_per_shard": 40,
         "workers": 1,
-        "bpe_dropout": 0.0,
+        "src_bpe_dropout": 0.0,
+        "tgt_bpe_dropout": 0.0,
         "copies": 1,
     }
     assert manifest["inputs"]["spm.model"] == manifest["spm_model"]["sha256"]
@@ -277,7 +278,8 @@ def test_ids_fit_the_schema(shards):
 def test_bpe_dropout_encodes_train_copies_times_each_split_another_way(corpus, shards, tmp_path):
     clean, model = corpus
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    cfg = ShardConfig(bucket_width=8, rows_per_shard=40, workers=2, bpe_dropout=0.3, copies=3)
+    cfg = ShardConfig(bucket_width=8, rows_per_shard=40, workers=2, src_bpe_dropout=0.3,
+                      tgt_bpe_dropout=0.3, copies=3)  # fmt: skip
     manifest = encode_and_shard(clean, model, cfg, tmp_path / "sampled")
     table = pq.read_table(clean / "train.parquet").to_pydict()
     plain = _rows(shards, "train")
@@ -299,11 +301,26 @@ def test_bpe_dropout_encodes_train_copies_times_each_split_another_way(corpus, s
         assert manifest["roles"][role]["copies"] == 1
 
 
+def test_source_side_bpe_dropout_leaves_every_target_plain(corpus, shards, tmp_path):
+    """The decoder learns one segmentation, the one it is scored in; the encoder sees many."""
+    clean, model = corpus
+    cfg = ShardConfig(bucket_width=8, rows_per_shard=40, workers=2, src_bpe_dropout=0.3, copies=3)
+    encode_and_shard(clean, model, cfg, tmp_path / "sampled")
+    plain = _rows(shards, "train")
+    sources: dict[int, set] = {}
+    for path in sorted((tmp_path / "sampled" / "train").glob("*.arrow")):
+        t = _read(path).to_pydict()
+        for i, src, tgt in zip(t["id"], t["src"], t["tgt"], strict=True):
+            assert tgt == plain[i][1]
+            sources.setdefault(i, set()).add(tuple(src))
+    assert sum(len(s) > 1 for s in sources.values()) > 250
+
+
 def test_an_epoch_over_copies_counts_as_that_many_passes(corpus, tmp_path):
     from transformer.data.batching import BatchLoader, ShardDataset, TokenBatchSampler
 
     clean, model = corpus
-    cfg = ShardConfig(bucket_width=8, rows_per_shard=40, workers=1, bpe_dropout=0.1, copies=4)
+    cfg = ShardConfig(bucket_width=8, rows_per_shard=40, workers=1, src_bpe_dropout=0.1, copies=4)
     encode_and_shard(clean, model, cfg, tmp_path / "sampled")
     dataset = ShardDataset(tmp_path / "sampled", "train")
     loader = BatchLoader(dataset, TokenBatchSampler.from_dataset(dataset, max_tokens=400))

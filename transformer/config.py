@@ -131,16 +131,21 @@ class ShardConfig(Section):
     bucket_width: int = Field(8, ge=1)
     rows_per_shard: int = Field(200_000, ge=1)
     workers: int = operational(0, ge=0)  # encoding processes; 0 = all cores
-    # BPE-dropout (Provilkov et al., 2020): the training split is encoded `copies` times,
-    # each merge skipped with probability `bpe_dropout`, every copy a fresh draw (not
-    # replayable: see transformer/data/shard.py); valid and test as the decoder sees text.
-    bpe_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # BPE-dropout (Provilkov et al., 2020), a rate per side as OpenNMT's src/tgt_subword_alpha
+    # and Marian's --sentencepiece-alphas: the training split is encoded `copies` times, each
+    # merge skipped with that probability, every copy a fresh draw (not replayable: see
+    # transformer/data/shard.py); valid and test as the decoder sees text.
+    src_bpe_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tgt_bpe_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     copies: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _sampled(self) -> ShardConfig:
-        if self.copies > 1 and self.bpe_dropout == 0.0:
-            raise ValueError(f"copies: {self.copies} identical copies; set bpe_dropout > 0")
+        if self.copies > 1 and not self.src_bpe_dropout and not self.tgt_bpe_dropout:
+            raise ValueError(
+                f"copies: {self.copies} identical copies; set src_bpe_dropout or "
+                "tgt_bpe_dropout > 0"
+            )
         return self
 
 
@@ -278,10 +283,12 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Params:
-        if self.shard.bpe_dropout and self.vocab.model_type != "bpe":
-            raise ValueError(
-                f"shard.bpe_dropout: needs vocab.model_type bpe, not {self.vocab.model_type}"
-            )
+        for side in ("src", "tgt"):
+            if getattr(self.shard, f"{side}_bpe_dropout") and self.vocab.model_type != "bpe":
+                raise ValueError(
+                    f"shard.{side}_bpe_dropout: needs vocab.model_type bpe, "
+                    f"not {self.vocab.model_type}"
+                )
         kept = self.train.keep_last if self.average.select == "last" else self.train.keep_best
         if self.average.last_n > kept:
             which = f"keep_{self.average.select}"

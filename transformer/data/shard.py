@@ -18,9 +18,10 @@ each) sit in memory. The chunk results come back in order and every file but a b
 last holds exactly rows_per_shard rows, so the output is byte-identical for any number of
 workers, and the fingerprint names the data, not the run.
 
-BPE-dropout (`bpe_dropout` > 0; Provilkov et al., 2020) is the exception: the training split
-is encoded `copies` times (`id` repeats), each pair's merges dropped at random, so that the
-model sees a word split several ways and learns its pieces' composition. The draws are
+BPE-dropout (`src_bpe_dropout` or `tgt_bpe_dropout` > 0; Provilkov et al., 2020) is the
+exception: the training split is encoded `copies` times (`id` repeats), the merges of a side
+dropped at random at that side's rate, so that the model sees a word split several ways and
+learns its pieces' composition. The draws are
 sentencepiece's, and they cannot be replayed: with sentencepiece 0.2.3, a seed
 (`set_random_generator_seed`) repeats them within a process, not in another process (nor
 in a forkserver worker), so no seed is offered here. A rebuild is new data, with a
@@ -64,8 +65,8 @@ SCHEMA = pa.schema(
     [("id", pa.int64()), ("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32()))]
 )
 
-# (row id of the first pair, source texts, target texts, BPE-dropout rate: 0 = plain)
-Chunk = tuple[int, pa.Array, pa.Array, float]
+# (row id of the first pair, source texts, target texts, (source, target) BPE-dropout rates)
+Chunk = tuple[int, pa.Array, pa.Array, tuple[float, float]]
 # bucket -> the chunk's pairs that fall in it
 Encoded = dict[int, pa.RecordBatch]
 # chunks -> their encodings, in order
@@ -91,7 +92,9 @@ def encode_and_shard(clean_dir: Path, spm_model: Path, cfg: ShardConfig, out_dir
         with _encoder(tmp / SPM_MODEL, cfg.bucket_width, _n_workers(cfg.workers)) as encode:
             roles = {}
             for role, path in parquets.items():  # valid and test: as the decoder sees text
-                copies, dropout = (cfg.copies, cfg.bpe_dropout) if role == "train" else (1, 0.0)
+                plain = (1, (0.0, 0.0))
+                sampled = (cfg.copies, (cfg.src_bpe_dropout, cfg.tgt_bpe_dropout))
+                copies, dropout = sampled if role == "train" else plain
                 roles[role] = _shard_role(
                     path, encode, tmp / role, cfg.rows_per_shard, copies, dropout
                 )
@@ -173,9 +176,9 @@ class _ChunkEncoder:
         self.bucket_width = bucket_width
 
     def __call__(self, chunk: Chunk) -> Encoded:
-        first_id, src_text, tgt_text, dropout = chunk
-        src = self._encode(src_text, dropout)
-        tgt = self._encode(tgt_text, dropout)
+        first_id, src_text, tgt_text, (src_dropout, tgt_dropout) = chunk
+        src = self._encode(src_text, src_dropout)
+        tgt = self._encode(tgt_text, tgt_dropout)
         longer = np.maximum(np.diff(src.offsets), np.diff(tgt.offsets))
         bucket = longer // self.bucket_width
         order = np.argsort(bucket, kind="stable")  # stable: rows stay in corpus order
@@ -249,7 +252,7 @@ def _n_workers(workers: int) -> int:
 # --------------------------------------------------------------------------- one role
 
 
-def _read_chunks(path: Path, copies: int, dropout: float) -> Iterator[Chunk]:
+def _read_chunks(path: Path, copies: int, dropout: tuple[float, float]) -> Iterator[Chunk]:
     """The corpus in chunks, `copies` times over."""
     for _ in range(copies):
         for first, src, tgt in _read_text(path):
@@ -275,7 +278,12 @@ def _read_text(path: Path) -> Iterator[tuple[int, pa.Array, pa.Array]]:
 
 
 def _shard_role(
-    parquet: Path, encode: Encode, role_dir: Path, limit: int, copies: int, dropout: float
+    parquet: Path,
+    encode: Encode,
+    role_dir: Path,
+    limit: int,
+    copies: int,
+    dropout: tuple[float, float],
 ) -> dict:
     writer = _RoleWriter(role_dir, limit)
     rows = pq.ParquetFile(parquet).metadata.num_rows * copies
