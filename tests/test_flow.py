@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -339,13 +340,19 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
 
 
 def _api(api: str, method: str, path: str, body: dict | None = None, timeout: float = 10):
-    """A call to Prefect's REST API; None if it does not answer (yet)."""
+    """A call to Prefect's REST API; None if it does not answer (yet), or answers 404 (not
+    served yet); any other error status fails the test with the server's reason."""
     data = json.dumps(body or {}).encode() if method == "POST" else None
     request = urllib.request.Request(f"{api}/{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"})  # fmt: skip
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        if err.code == 404:
+            return None
+        reason = err.read().decode("utf-8", "replace")[:1000]
+        raise AssertionError(f"{method} {path}: HTTP {err.code}: {reason}") from None
     except OSError:
         return None
 
