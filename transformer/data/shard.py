@@ -23,9 +23,9 @@ exception: the training split is encoded `copies` times (`id` repeats), the merg
 dropped at random at that side's rate, so that the model sees a word split several ways and
 learns its pieces' composition. The draws are sentencepiece's, and they cannot be replayed:
 with sentencepiece 0.2.3, a seed (`set_random_generator_seed`) repeats them within a
-process, not in another process (nor in a forkserver worker), so no seed is offered here. A rebuild is new data, with a
-fingerprint of its own; the stage cache, keyed on params, reuses a finished build as it
-does any other stage's.
+process, not in another process (nor in a forkserver worker), so no seed is offered here.
+A rebuild is new data, with a fingerprint of its own; the stage cache, keyed on params,
+reuses a finished build as it does any other stage's.
 """
 
 from __future__ import annotations
