@@ -346,8 +346,8 @@ def _api(api: str, method: str, path: str, body: dict | None = None, timeout: fl
 
     503 is the server's "retry": its SQLite was busy (another writer, e.g. the runner
     starting the served flow), the transaction rolled back. Retried as Prefect's own client
-    does: the schedule POST met "database is locked" in both full-suite runs of one day here
-    (one on idle cores), and once more, retried, in a run of this file."""
+    does: the schedule POST got a 503 in a clean-clone full suite on idle cores, and again,
+    logged as "database is locked" and retried, in a run of this file."""
     data = json.dumps(body or {}).encode() if method == "POST" else None
     for attempt in range(6):
         request = urllib.request.Request(f"{api}/{path}", data=data, method=method,

@@ -90,9 +90,9 @@ def encode_and_shard(clean_dir: Path, spm_model: Path, cfg: ShardConfig, out_dir
         shutil.copyfile(spm_model, tmp / SPM_MODEL)
         with _encoder(tmp / SPM_MODEL, cfg.bucket_width, _n_workers(cfg.workers)) as encode:
             roles = {}
-            for role, path in parquets.items():  # valid and test: as the decoder sees text
-                plain = (1, (0.0, 0.0))
-                sampled = (cfg.copies, (cfg.src_bpe_dropout, cfg.tgt_bpe_dropout))
+            plain = (1, (0.0, 0.0))  # valid and test: as the decoder sees text
+            sampled = (cfg.copies, (cfg.src_bpe_dropout, cfg.tgt_bpe_dropout))
+            for role, path in parquets.items():
                 copies, dropout = sampled if role == "train" else plain
                 roles[role] = _shard_role(
                     path, encode, tmp / role, cfg.rows_per_shard, copies, dropout
