@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,8 +21,18 @@ import torch
 import yaml
 from conftest import TINY_FLOW
 from mlflow.tracking import MlflowClient
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.schedules import IntervalSchedule
+from prefect.exceptions import ObjectNotFound
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.wmt14_ende import wmt14_ende
@@ -295,44 +304,13 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
         spec.write_text(yaml.safe_dump({"deployments": [smoke]}))
         serving = _spawn([sys.executable, "-m", "flows.deploy", "--file", str(spec),
                           "--work-dir", str(work)], env, tmp_path / "serve.log")  # fmt: skip
-        _wait(lambda: _api(api, "GET", "deployments/name/wmt14-ende/smoke"), 120, "deployment")
-        deployment = _api(api, "GET", "deployments/name/wmt14-ende/smoke")
-        # Due once served, with a margin for the scheduler's loop on a busy machine (a due
-        # time already past means the next run an interval later).
-        due = datetime.now(UTC) + timedelta(seconds=15)
-        added = [{"schedule": {"interval": 3600, "anchor_date": due.isoformat()}, "active": True}]
-        # A write, not retried on a timeout (it may have been applied): time enough for a
-        # server busy with the served flow's start (10 s ran out once under the full suite).
-        assert _api(api, "POST", f"deployments/{deployment['id']}/schedules", added, timeout=60)
-        query = {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}}
-
-        def scheduled_run_completed() -> bool:
-            runs = _api(api, "POST", "flow_runs/filter", query) or []
-            return any(r["auto_scheduled"] and r["state_type"] == "COMPLETED" for r in runs)
-
-        logs = lambda: (tmp_path / "serve.log").read_text()[-3000:]
-        _wait(scheduled_run_completed, 300, "the scheduled run", logs)
-
-        # Greedy decoding: the run reuses data and training of `first`, and really decodes.
-        decoded = _folders(work / "decode")
-        params = json.dumps({"overrides": [*TINY_FLOW, "decode.beam_size=1"]})
-        run = subprocess.run(
-            [prefect, "deployment", "run", "wmt14-ende/smoke", "--params", params,
-             "--watch", "--watch-timeout", "500"],
-            env=env, capture_output=True, text=True, timeout=560,
-        )  # fmt: skip
-        assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-2000:] + logs()
-        new = _folders(work / "decode") - decoded
-        assert len(new) == 1 and (new.pop() / "scores.json").exists(), logs()
-        artifact = _api(api, "POST", "artifacts/filter", {"artifacts": {"key": {"any_": [
-            "wmt14-ende-results"]}}})  # fmt: skip
-        assert artifact and "test BLEU" in artifact[0]["data"], artifact
-
-        os.killpg(serving.pid, signal.SIGTERM)
-        serving.wait(timeout=60)
-        serving = None
-        schedules = _api(api, "GET", f"deployments/{deployment['id']}")["schedules"]
-        assert len(schedules) == 2 and all(s["active"] for s in schedules)  # runs will wait
+        with SyncPrefectClient(api) as client:  # retries a 503 (SQLite busy), as Prefect does
+            _served_run_completes(client, work, env, prefect, tmp_path / "serve.log")
+            os.killpg(serving.pid, signal.SIGTERM)
+            serving.wait(timeout=60)
+            serving = None
+            schedules = client.read_deployment_by_name("wmt14-ende/smoke").schedules
+            assert len(schedules) == 2 and all(s.active for s in schedules)  # runs will wait
     finally:
         for proc in (serving, server):
             if proc is not None:
@@ -340,31 +318,48 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
                 proc.wait(timeout=60)
 
 
-def _api(api: str, method: str, path: str, body: dict | None = None, timeout: float = 10):
-    """A call to Prefect's REST API; None if it does not answer (yet), or answers 404 (not
-    served yet); any other error status fails the test with the server's reason.
+def _served_run_completes(client, work: Path, env: dict, prefect: str, serve_log: Path) -> None:
+    """A schedule added to the served deployment fires; then `prefect deployment run`."""
+    _wait(lambda: _deployment(client), 120, "deployment")
+    deployment = _deployment(client)
+    # Due once served, with a margin for the scheduler's loop on a busy machine (a due time
+    # already past means the next run an interval later). A write that met "database is
+    # locked" (the runner starting the served flow writes too) gets a 503, which the client
+    # retries; the test's server logs the cause (PREFECT_API_LOG_RETRYABLE_ERRORS).
+    due = datetime.now(UTC) + timedelta(seconds=15)
+    every_hour = IntervalSchedule(interval=timedelta(hours=1), anchor_date=due)
+    client.create_deployment_schedules(deployment.id, [(every_hour, True)])
+    served = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
 
-    503 is the server's "retry": its SQLite was busy (another writer, e.g. the runner
-    starting the served flow), the transaction rolled back. Retried as Prefect's own client
-    does: the schedule POST got a 503 in a clean-clone full suite on idle cores, and again,
-    logged as "database is locked" and retried, in a run of this file."""
-    data = json.dumps(body or {}).encode() if method == "POST" else None
-    for attempt in range(6):
-        request = urllib.request.Request(f"{api}/{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            if err.code == 404:
-                return None
-            if err.code == 503 and attempt < 5:
-                time.sleep(1)
-                continue
-            reason = err.read().decode("utf-8", "replace")[:1000]
-            raise AssertionError(f"{method} {path}: HTTP {err.code}: {reason}") from None
-        except OSError:
-            return None
+    def scheduled_run_completed() -> bool:
+        runs = client.read_flow_runs(deployment_filter=served)
+        return any(r.auto_scheduled and r.state_type == StateType.COMPLETED for r in runs)
+
+    logs = lambda: serve_log.read_text()[-3000:]
+    _wait(scheduled_run_completed, 300, "the scheduled run", logs)
+
+    # Greedy decoding: the run reuses data and training of `first`, and really decodes.
+    decoded = _folders(work / "decode")
+    params = json.dumps({"overrides": [*TINY_FLOW, "decode.beam_size=1"]})
+    run = subprocess.run(
+        [prefect, "deployment", "run", "wmt14-ende/smoke", "--params", params,
+         "--watch", "--watch-timeout", "500"],
+        env=env, capture_output=True, text=True, timeout=560,
+    )  # fmt: skip
+    assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-2000:] + logs()
+    new = _folders(work / "decode") - decoded
+    assert len(new) == 1 and (new.pop() / "scores.json").exists(), logs()
+    results = ArtifactFilter(key=ArtifactFilterKey(any_=["wmt14-ende-results"]))
+    artifact = client.read_artifacts(artifact_filter=results)
+    assert artifact and "test BLEU" in artifact[0].data, artifact
+
+
+def _deployment(client):
+    """The served smoke deployment, or None until the serve process has registered it."""
+    try:
+        return client.read_deployment_by_name("wmt14-ende/smoke")
+    except ObjectNotFound:
+        return None
 
 
 def _folders(stage_dir: Path) -> set[Path]:
