@@ -27,6 +27,10 @@ class LoopbackTCPStore(dist.TCPStore):
 
 if __name__ == "__main__":
     dist.TCPStore = LoopbackTCPStore  # before torchrun's modules import it
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main
 
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SignalException as err:  # forwarded to the workers, which saved: no traceback
+        sys.exit(128 + err.sigval)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from prefect import get_run_logger
+from prefect.exceptions import TerminationSignal
 
 from transformer.checkpoint import describe_run
 from transformer.files import TRAIN_LOG
@@ -120,6 +121,11 @@ def launch(
             watchdog.cancel()
     if timed_out.is_set():
         raise TrainingFailed("training exceeded pipeline.train_timeout_minutes", user_error=True)
+    if code - 128 in (signal.SIGINT, signal.SIGTERM):
+        # The trainer was signalled, saved and stopped, and this process was not (a job
+        # started with `&` by a script ignores SIGINT; a signal to the trainer alone): the
+        # run stops here as it would had the signal come here too.
+        raise KeyboardInterrupt if code - 128 == signal.SIGINT else TerminationSignal(code - 128)
     if code == 2:  # the trainer's one-line user error is its last line
         raise TrainingFailed(tail[-1] if tail else "training failed", user_error=True)
     if code != 0:

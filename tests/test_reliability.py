@@ -86,6 +86,23 @@ def test_sigterm_saves_training_and_every_process_exits_within_30_s(tmp_path):
     assert f"at step {saved}" in (run_dir(work) / "train.log").read_text()  # resumed there
 
 
+@pytest.mark.parametrize("nproc", [1, 2])  # the trainer alone; torchrun and its workers
+def test_a_group_sigint_stops_a_flow_that_ignores_it_as_a_ctrl_c_does(tmp_path, nproc):
+    """A flow started with `&` by a script ignores SIGINT (the shell sets SIG_IGN, Python
+    keeps it); the trainer, or torchrun and its workers, take it: they save and stop. The
+    flow then says what a Ctrl-C makes it say, with its exit code, and no traceback."""
+    work = tmp_path / "work"
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+    proc = flow(work, f"pipeline.nproc_per_node={nproc}", preexec_fn=ignore)
+    wait_for(lambda: any(work.glob("train/*/checkpoints/state-*")), 600, proc, "a checkpoint")
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out = finish(proc, timeout=60)
+    assert code == 128 + signal.SIGINT, out[-3000:]
+    assert "error: stopped by SIGINT; training saved what it had" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "stopped by SIGINT" in (run_dir(work) / "train.log").read_text()
+
+
 def _group_gone(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
