@@ -304,7 +304,7 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
         spec.write_text(yaml.safe_dump({"deployments": [smoke]}))
         serving = _spawn([sys.executable, "-m", "flows.deploy", "--file", str(spec),
                           "--work-dir", str(work)], env, tmp_path / "serve.log")  # fmt: skip
-        with SyncPrefectClient(api) as client:  # retries a 503 (SQLite busy), as Prefect does
+        with SyncPrefectClient(api) as client:  # Prefect's own, its retries included
             _served_run_completes(client, work, env, prefect, tmp_path / "serve.log")
             os.killpg(serving.pid, signal.SIGTERM)
             serving.wait(timeout=60)
@@ -320,12 +320,13 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
 
 def _served_run_completes(client, work: Path, env: dict, prefect: str, serve_log: Path) -> None:
     """A schedule added to the served deployment fires; then `prefect deployment run`."""
-    _wait(lambda: _deployment(client), 120, "deployment")
-    deployment = _deployment(client)
+    deployment = _wait(lambda: _deployment(client), 120, "deployment")
     # Due once served, with a margin for the scheduler's loop on a busy machine (a due time
     # already past means the next run an interval later). A write that met "database is
     # locked" (the runner starting the served flow writes too) gets a 503, which the client
-    # retries; the test's server logs the cause (PREFECT_API_LOG_RETRYABLE_ERRORS).
+    # retries (PREFECT_CLIENT_MAX_RETRIES, 5); the server logs the cause. It also retries a
+    # timeout (PREFECT_API_REQUEST_TIMEOUT, 60 s), which could add the schedule twice: the
+    # count of schedules below would then fail.
     due = datetime.now(UTC) + timedelta(seconds=15)
     every_hour = IntervalSchedule(interval=timedelta(hours=1), anchor_date=due)
     client.create_deployment_schedules(deployment.id, [(every_hour, True)])
@@ -406,11 +407,12 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _wait(ready, seconds: float, what: str, logs=lambda: "") -> None:
+def _wait(ready, seconds: float, what: str, logs=lambda: ""):
+    """`ready()`'s first truthy answer, polled each second for up to `seconds`."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if ready():
-            return
+        if answer := ready():
+            return answer
         time.sleep(1)
     raise AssertionError(f"{what} not ready after {seconds} s\n{logs()}")
 

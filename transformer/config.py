@@ -283,12 +283,12 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Params:
-        rates = {"src_bpe_dropout": self.shard.src_bpe_dropout,
-                 "tgt_bpe_dropout": self.shard.tgt_bpe_dropout}  # fmt: skip
-        for key in (k for k, rate in rates.items() if rate):
-            if self.vocab.model_type != "bpe":
-                raise ValueError(f"shard.{key}: needs vocab.model_type bpe, not "
-                                 f"{self.vocab.model_type}")  # fmt: skip
+        rates = (("src_bpe_dropout", self.shard.src_bpe_dropout),
+                 ("tgt_bpe_dropout", self.shard.tgt_bpe_dropout))  # fmt: skip
+        sampled = [key for key, rate in rates if rate]
+        if sampled and self.vocab.model_type != "bpe":
+            raise ValueError(f"shard.{sampled[0]}: needs vocab.model_type bpe, not "
+                             f"{self.vocab.model_type}")  # fmt: skip
         kept = self.train.keep_last if self.average.select == "last" else self.train.keep_best
         if self.average.last_n > kept:
             which = f"keep_{self.average.select}"
