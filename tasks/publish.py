@@ -84,7 +84,7 @@ def summary_lines(summary: dict) -> list[str]:
     return [
         *lines,
         f"model        {summary['model']}",
-        f"registered   {summary['registered']} (alias @best: the highest test BLEU)",
+        f"registered   {summary['registered']} (alias @best: the highest validation BLEU)",
         f"hypotheses   {summary['hypotheses']}",
         f"browse runs  mlflow ui --backend-store-uri {summary['tracking_uri']}",
     ]

@@ -1,6 +1,7 @@
 """The MLflow Model Registry: a run's averaged model becomes a version of its deployment's
 registered model (`pipeline.registered_model`, default `<experiment>-<params file stem>`),
-tagged with its test scores; the alias `best` follows the version of highest test BLEU.
+tagged with its scores; the alias `best` follows the version of highest validation BLEU
+(picked on the valid split, as the checkpoints are: the test split only reports).
 
     mlflow.pyfunc.load_model("models:/wmt14-ende-base@best")
 """
@@ -45,6 +46,7 @@ def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str
     version = str(info.registered_model_version)
     test = scores["test"]
     tags = {
+        "valid_bleu": scores["valid"]["bleu"],
         "test_bleu": test["bleu"],
         "test_bleu_lc": test["bleu_lc"],
         "test_chrf": test["chrf"],
@@ -53,16 +55,17 @@ def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str
     }
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))
-    promote_if_best(client, name, version, test["bleu"])
+    promote_if_best(client, name, version, scores["valid"]["bleu"])
     return version
 
 
-def promote_if_best(client, name: str, version: str, bleu: float) -> None:
-    """Point the alias `best` at `version` if no version has it yet, or it scores higher."""
+def promote_if_best(client, name: str, version: str, valid_bleu: float) -> None:
+    """Point the alias `best` at `version` if no version has it yet, or its validation BLEU
+    is higher (a holder registered before versions carried it yields)."""
     try:
         holder = client.get_model_version_by_alias(name, BEST)
-        current = float(holder.tags.get("test_bleu", "-inf"))
+        current = float(holder.tags.get("valid_bleu", "-inf"))
     except mlflow.exceptions.MlflowException:  # no version holds the alias yet
         current = float("-inf")
-    if bleu > current:
+    if valid_bleu > current:
         client.set_registered_model_alias(name, BEST, version)

@@ -146,7 +146,9 @@ def test_the_model_is_registered_and_served_as_an_mlflow_pyfunc(first, work, tmp
     client = _client(work)
     version = client.get_model_version_by_alias("wmt14-ende-smoke", "best")
     assert result["registered"] == f"models:/wmt14-ende-smoke/{version.version}"
-    assert float(version.tags["test_bleu"]) == pytest.approx(result["scores"]["test"]["bleu"])
+    for split in ("valid", "test"):
+        tag = float(version.tags[f"{split}_bleu"])
+        assert tag == pytest.approx(result["scores"][split]["bleu"])
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model("models:/wmt14-ende-smoke@best")
     sources = (ROOT / "data" / "smoke" / "test.en").read_text().splitlines()[:3]
