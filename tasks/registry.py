@@ -61,7 +61,8 @@ def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str
 
 def promote_if_best(client, name: str, version: str, valid_bleu: float) -> None:
     """Point the alias `best` at `version` if no version has it yet, or its validation BLEU
-    is higher (a holder registered before versions carried it yields)."""
+    is higher; a holder without a `valid_bleu` tag (registered before the alias followed
+    it) yields."""
     try:
         holder = client.get_model_version_by_alias(name, BEST)
         current = float(holder.tags.get("valid_bleu", "-inf"))
