@@ -55,7 +55,7 @@ def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str
     }
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))
-    promote_if_best(client, name, version, scores["valid"]["bleu"])
+    promote_if_best(client, name, version, tags["valid_bleu"])
     return version
 
 
