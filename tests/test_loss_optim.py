@@ -98,6 +98,22 @@ def test_cooldown_falls_linearly_to_near_zero_over_the_last_fraction():
     assert [cooldown_factor(k, 10, 0.0) for k in (1, 10, 11)] == [1.0, 1.0, 1.0]
 
 
+def test_a_1_sqrt_cooldown_falls_steeply_then_lingers_near_zero():
+    # The same window, 1 - sqrt(x) of the fraction gone (1/4, 2/4, 3/4): below the linear
+    # factor at every update of the window, and through the optimizer as configured.
+    factors = [cooldown_factor(k, 10, 0.3, "1-sqrt") for k in range(1, 11)]
+    assert factors == pytest.approx([1.0] * 7 + [0.5, 1 - 0.5**0.5, 1 - 0.75**0.5])
+    model = nn.Linear(4, 3)
+    cfg = TrainConfig(warmup_steps=1, max_steps=10, cooldown=0.3, cooldown_shape="1-sqrt")
+    optimizer, scheduler = build_optimizer(model, cfg, d_model=16)
+    lrs = []
+    for _ in range(10):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        train_step(model, optimizer, scheduler, torch.randn(2, 4))
+    full = [inverse_sqrt_schedule(k, 16, 1) for k in range(1, 11)]
+    assert lrs == pytest.approx([f * c for f, c in zip(full, factors, strict=True)])
+
+
 def test_optimizer_cools_down_to_max_steps():
     model = nn.Linear(4, 3)
     cfg = TrainConfig(warmup_steps=2, max_steps=8, cooldown=0.5)

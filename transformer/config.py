@@ -191,9 +191,11 @@ class TrainConfig(Section):
     # with a cooldown is warmup-stable-decay (torchtitan's; Hagele et al. 2024): a run whose
     # length is set by its compute budget learns at the peak lr, then anneals at the end.
     decay: Literal["inverse_sqrt", "constant"] = "inverse_sqrt"
-    # The last fraction of max_steps over which the lr falls linearly to ~0 (paper: 0, none).
-    # It follows max_steps: raising max_steps on resume moves the cooldown to the new end.
+    # The last fraction of max_steps over which the lr falls to ~0 (paper: 0, none), linearly
+    # or as 1 - sqrt (torchtitan's decay_type "sqrt"). It follows max_steps: raising
+    # max_steps on resume moves the cooldown to the new end.
     cooldown: float = Field(0.0, ge=0.0, lt=1.0)
+    cooldown_shape: Literal["linear", "1-sqrt"] = "linear"
     adam_betas: list[float] = Field([0.9, 0.98], min_length=2, max_length=2)
     adam_eps: float = Field(1e-9, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)

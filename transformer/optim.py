@@ -1,6 +1,7 @@
 """Adam with the paper's warmup then inverse-square-root learning rate (section 5.3), or a
-constant one after the warmup, an optional linear cooldown to zero at the end (constant then
-cooldown is warmup-stable-decay, torchtitan's `decay_ratio`), and the gradient norm
+constant one after the warmup, an optional cooldown to zero at the end, linear or 1-sqrt
+(constant then cooldown is warmup-stable-decay, torchtitan's `decay_ratio` and
+`decay_type`), and the gradient norm
 (clipping is off in the paper, available here)."""
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ def inverse_sqrt_schedule(
     return lr_scale * d_model**-0.5 * min(after, step * warmup_steps**-1.5)
 
 
-def cooldown_factor(step: int, max_steps: int, cooldown: float) -> float:
-    """1 before the last `cooldown` fraction of `max_steps` updates, then falling linearly
-    to 1 / (window + 1) at update `max_steps`: a run that must end at a given step ends
-    annealed (a lower loss than its inverse-sqrt lr leaves, Hagele et al. 2024)."""
+def cooldown_factor(step: int, max_steps: int, cooldown: float, shape: str = "linear") -> float:
+    """1 before the last `cooldown` fraction of `max_steps` updates, then falling to ~0 at
+    update `max_steps` as 1 - x ("linear", to 1 / (window + 1)) or 1 - sqrt(x) ("1-sqrt":
+    steeper at first, longer near zero), x the fraction of the window gone: a run that must
+    end at a given step ends annealed (a lower loss than its inverse-sqrt lr leaves; 1-sqrt
+    the lower of the two, Hagele et al. 2024)."""
     window = math.ceil(cooldown * max_steps)
     start = max_steps - window  # the last update at the full schedule
     if window == 0 or step <= start:
         return 1.0
-    return max(0.0, (max_steps + 1 - step) / (window + 1))
+    left = max(0.0, (max_steps + 1 - step) / (window + 1))  # 1 - x
+    return 1.0 - math.sqrt(1.0 - left) if shape == "1-sqrt" else left
 
 
 def build_optimizer(
@@ -62,7 +66,7 @@ def build_optimizer(
             inverse_sqrt_schedule(
                 k + 1, d_model, cfg.warmup_steps, cfg.lr_scale, cfg.decay == "inverse_sqrt"
             )
-            * cooldown_factor(k + 1, cfg.max_steps, cfg.cooldown)
+            * cooldown_factor(k + 1, cfg.max_steps, cfg.cooldown, cfg.cooldown_shape)
         ),
     )
     return optimizer, scheduler
