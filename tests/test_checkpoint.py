@@ -127,6 +127,17 @@ def test_resume_differences_name_identity_keys_and_ignore_operational_ones():
     assert ckpt.resume_differences(saved, now) == ["model.d_model: 64 in checkpoint, 128 now"]
 
 
+def test_a_key_the_checkpoint_predates_counts_at_its_default():
+    # A checkpoint written before train.cooldown_shape existed ran the linear cooldown.
+    saved = {"model": {"d_model": 64}, "train": {"cooldown": 0.2}}
+    now = {"model": {"d_model": 64}, "train": {"cooldown": 0.2, "cooldown_shape": "linear"}}
+    assert ckpt.resume_differences(saved, now) == []
+    now["train"]["cooldown_shape"] = "1-sqrt"
+    assert ckpt.resume_differences(saved, now) == [
+        "train.cooldown_shape: 'linear' in checkpoint, '1-sqrt' now"
+    ]
+
+
 def _draws() -> tuple:
     return (torch.rand(3).tolist(), random.random(), random.gauss(0, 1), np.random.rand(2).tolist())
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transformer.config import flatten, operational_keys
+from transformer.config import ModelConfig, TrainConfig, flatten, operational_keys, to_dict
 from transformer.distributed import all_gather_objects
 from transformer.files import CHECKPOINTS
 
@@ -298,14 +298,18 @@ def select_snapshots(
 
 def resume_differences(saved_params: dict[str, Any], params: dict[str, Any]) -> list[str]:
     """'model.d_model: 64 in checkpoint, 128 now' for each identity-bearing key of the model
-    and train sections that differs: the operational ones (config.operational) may change."""
+    and train sections that differs: the operational ones (config.operational) may change.
+    A key the checkpoint lacks (added to the code since) counts at its default, the
+    behaviour the saved run had: a new key at its default refuses no old run."""
     relevant = ("model.", "train.")
     ignore = operational_keys()
-    old, new = flatten(saved_params), flatten(params)
+    defaults = flatten({"model": to_dict(ModelConfig()), "train": to_dict(TrainConfig())})
+    saved, new = flatten(saved_params), flatten(params)
+    old = {key: saved.get(key, defaults.get(key, "<absent>")) for key in saved.keys() | new.keys()}
     return [
-        f"{key}: {old.get(key, '<absent>')!r} in checkpoint, {new.get(key, '<absent>')!r} now"
-        for key in sorted(old.keys() | new.keys())
-        if key.startswith(relevant) and key not in ignore and old.get(key) != new.get(key)
+        f"{key}: {old[key]!r} in checkpoint, {new.get(key, '<absent>')!r} now"
+        for key in sorted(old)
+        if key.startswith(relevant) and key not in ignore and old[key] != new.get(key, "<absent>")
     ]
 
 
