@@ -103,25 +103,17 @@ def test_a_1_sqrt_cooldown_falls_steeply_then_lingers_near_zero():
     # factor at every update of the window, and through the optimizer as configured.
     factors = [cooldown_factor(k, 10, 0.3, "1-sqrt") for k in range(1, 11)]
     assert factors == pytest.approx([1.0] * 7 + [0.5, 1 - 0.5**0.5, 1 - 0.75**0.5])
-    model = nn.Linear(4, 3)
+    linear = [cooldown_factor(k, 10, 0.3) for k in range(8, 11)]
+    assert all(f < g for f, g in zip(factors[7:], linear, strict=True))
     cfg = TrainConfig(warmup_steps=1, max_steps=10, cooldown=0.3, cooldown_shape="1-sqrt")
-    optimizer, scheduler = build_optimizer(model, cfg, d_model=16)
-    lrs = []
-    for _ in range(10):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        train_step(model, optimizer, scheduler, torch.randn(2, 4))
+    lrs = lrs_per_update(cfg, d_model=16)
     full = [inverse_sqrt_schedule(k, 16, 1) for k in range(1, 11)]
     assert lrs == pytest.approx([f * c for f, c in zip(full, factors, strict=True)])
 
 
 def test_optimizer_cools_down_to_max_steps():
-    model = nn.Linear(4, 3)
     cfg = TrainConfig(warmup_steps=2, max_steps=8, cooldown=0.5)
-    optimizer, scheduler = build_optimizer(model, cfg, d_model=16)
-    lrs = []
-    for _ in range(8):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        train_step(model, optimizer, scheduler, torch.randn(2, 4))
+    lrs = lrs_per_update(cfg, d_model=16)
     full = [inverse_sqrt_schedule(k, 16, 2) for k in range(1, 9)]
     assert lrs[:4] == pytest.approx(full[:4])  # the paper's curve until the cooldown
     assert lrs[4:] == pytest.approx([f * (9 - k) / 5 for k, f in enumerate(full[4:], start=5)])
@@ -129,13 +121,8 @@ def test_optimizer_cools_down_to_max_steps():
 
 def test_constant_decay_holds_the_peak_until_the_cooldown():
     # Warmup-stable-decay: the paper's warmup, its peak held, then the linear cooldown.
-    model = nn.Linear(4, 3)
     cfg = TrainConfig(warmup_steps=2, max_steps=8, cooldown=0.5, decay="constant")
-    optimizer, scheduler = build_optimizer(model, cfg, d_model=16)
-    lrs = []
-    for _ in range(8):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        train_step(model, optimizer, scheduler, torch.randn(2, 4))
+    lrs = lrs_per_update(cfg, d_model=16)
     peak = inverse_sqrt_schedule(2, 16, 2)  # 16^-0.5 * 2^-0.5
     assert lrs[:4] == pytest.approx([peak / 2, peak, peak, peak])
     assert lrs[4:] == pytest.approx([peak * (9 - k) / 5 for k in range(5, 9)])
@@ -147,6 +134,17 @@ def make(seed: int):
     model = nn.Linear(4, 3)
     cfg = TrainConfig(warmup_steps=10, adam_betas=[0.9, 0.98], adam_eps=1e-9)
     return model, *build_optimizer(model, cfg, d_model=16)
+
+
+def lrs_per_update(cfg: TrainConfig, d_model: int) -> list[float]:
+    """The lr each of cfg.max_steps updates of a tiny model runs at, as the optimizer has it."""
+    model = nn.Linear(4, 3)
+    optimizer, scheduler = build_optimizer(model, cfg, d_model)
+    lrs = []
+    for _ in range(cfg.max_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        train_step(model, optimizer, scheduler, torch.randn(2, 4))
+    return lrs
 
 
 def train_step(model, optimizer, scheduler, x):
