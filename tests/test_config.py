@@ -10,9 +10,13 @@ import yaml
 from tasks.settings import RunParams, load_run_params
 from transformer.config import (
     ParamsError,
+    Section,
+    added,
+    fingerprint,
     flatten,
     identity,
     load_params,
+    operational,
     operational_keys,
     params_hash,
     to_dict,
@@ -82,6 +86,26 @@ def test_each_key_is_declared_identity_or_operational_once():
     assert params_hash(load_run_params(PARAMS / "base.yaml", ["pipeline.experiment=x"])) == (
         params_hash(p)
     )
+
+
+def test_a_key_added_at_its_default_renames_no_stage():
+    # A work dir made before a key existed must resume, not train again: at its default,
+    # which is what every earlier run did, the key is in no identity; set otherwise, it is.
+    class Before(Section):
+        lr: float = 1.0
+        every: int = operational(10)
+
+    class After(Before):
+        shape: str = added("linear")
+
+    assert identity(After()) == identity(Before()) == {"lr": 1.0}
+    assert identity(After(shape="1-sqrt")) == {"lr": 1.0, "shape": "1-sqrt"}
+    p = load_params(PARAMS / "base.yaml")
+    q = load_params(PARAMS / "base.yaml", ["train.cooldown_shape=1-sqrt"])
+    assert "cooldown_shape" not in identity(p.train) and identity(q.train) != identity(p.train)
+    before = to_dict(p)
+    del before["train"]["cooldown_shape"]
+    assert params_hash(p) == fingerprint(before) and params_hash(q) != params_hash(p)
 
 
 def test_strict_types_and_duplicate_keys(tmp_path):

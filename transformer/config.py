@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,9 +43,34 @@ def operational(default: Any, **constraints: Any) -> Any:
     return Field(default, json_schema_extra={"operational": True}, **constraints)
 
 
+def added(default: Any, **constraints: Any) -> Any:
+    """Declare an identity-bearing key added to a schema that work dirs already used, its
+    default being what every run did before it existed. At that default it is left out of
+    every identity (stage folders, the data fingerprint, the run's params hash), so adding
+    it renames no finished stage: a work dir made before it resumes instead of training
+    again. Its default can therefore never change."""
+    return Field(default, json_schema_extra={"added": True}, **constraints)
+
+
 def _is_operational(info: FieldInfo) -> bool:
+    return _marked(info, "operational")
+
+
+def _marked(info: FieldInfo, mark: str) -> bool:
     extra = info.json_schema_extra
-    return isinstance(extra, dict) and bool(extra.get("operational"))
+    return isinstance(extra, dict) and bool(extra.get(mark))
+
+
+def _tree(node: BaseModel, leave_out: Callable[[FieldInfo], bool]) -> dict[str, Any]:
+    """A section as plain JSON-able values, less the keys `leave_out(info)` names and less
+    the added keys at their default (`added`)."""
+    out: dict[str, Any] = {}
+    for name, info in type(node).model_fields.items():
+        value = getattr(node, name)
+        if leave_out(info) or (_marked(info, "added") and value == info.default):
+            continue
+        out[name] = _tree(value, leave_out) if isinstance(value, BaseModel) else _json(value)
+    return out
 
 
 # --------------------------------------------------------------------------- data
@@ -195,7 +221,7 @@ class TrainConfig(Section):
     # or as 1 - sqrt (torchtitan's decay_type "sqrt"). It follows max_steps: raising
     # max_steps on resume moves the cooldown to the new end.
     cooldown: float = Field(0.0, ge=0.0, lt=1.0)
-    cooldown_shape: Literal["linear", "1-sqrt"] = "linear"
+    cooldown_shape: Literal["linear", "1-sqrt"] = added("linear")
     adam_betas: list[float] = Field([0.9, 0.98], min_length=2, max_length=2)
     adam_eps: float = Field(1e-9, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -439,15 +465,10 @@ def to_yaml(params: BaseModel) -> str:
 
 
 def identity(node: BaseModel) -> dict[str, Any]:
-    """The identity-bearing part of a section: its keys less the operational ones, nested
-    sections likewise. Two sections with equal identities give the same stage output."""
-    out: dict[str, Any] = {}
-    for name, info in type(node).model_fields.items():
-        if _is_operational(info):
-            continue
-        value = getattr(node, name)
-        out[name] = identity(value) if isinstance(value, BaseModel) else _json(value)
-    return out
+    """The identity-bearing part of a section: its keys less the operational ones (and the
+    added ones at their default), nested sections likewise. Two sections with equal
+    identities give the same stage output."""
+    return _tree(node, _is_operational)
 
 
 def operational_keys(schema: type[BaseModel] = Params, prefix: str = "") -> set[str]:
@@ -478,8 +499,10 @@ def fingerprint(*parts: Any) -> str:
 
 def params_hash(params: Params) -> str:
     """Identity of a pipeline run (one MLflow parent run): every key of the params, the
-    operational ones too, but not the orchestration's own sections."""
-    return fingerprint(params.model_dump(mode="json", exclude=set(FOREIGN_SECTIONS)))
+    operational ones too (not the added ones at their default), but not the orchestration's
+    own sections."""
+    tree = _tree(params, leave_out=lambda info: False)
+    return fingerprint({k: v for k, v in tree.items() if k not in FOREIGN_SECTIONS})
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
