@@ -74,6 +74,12 @@ def test_two_ranks_equal_one_rank_accumulating_two_batches(tiny_params, tiny_sha
     assert two.count("step 3/3 (100%)") == 1 and one.count("step 3/3 (100%)") == 1
     assert "2 rank(s) x 1 micro-batch(es)" in two and "1 rank(s) x 2 micro-batch(es)" in one
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-3)
+    # A branch on two ranks: rank 0 picks the state (and says it is a branch), all load it.
+    state = ckpt.checkpoint_path(tmp_path / "two", "state", 3)
+    more = [*update, "train.max_steps=5", "train.cooldown=0.5", "--init-from", str(state)]
+    branch = _train(tmp_path / "branch", tiny_params, tiny_shards, torchrun, *more)
+    assert "train.cooldown: 0.0 in checkpoint, 0.5 now" in branch and "step 5/5" in branch
+    assert _final(tmp_path / "branch")["step"] == 5
 
 
 @pytest.mark.slow

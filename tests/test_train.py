@@ -240,6 +240,40 @@ def test_operational_changes_resume_and_identity_changes_are_refused(
     assert final_state(out)["params"]["model"]["d_model"] == 64
 
 
+def test_a_branch_is_its_source_resumed_with_the_new_params(
+    tiny_params, tiny_shards, tmp_path, capsys, caplog
+):
+    """--init-from STATE: another cooldown from a saved state, in a new folder, is the source
+    run resumed there with the new params (--allow-param-change), bit for bit, and keeps the
+    source's snapshots for averaging; the source folder is left as it was."""
+    src = tmp_path / "src"
+    assert train(tiny_params, tiny_shards, src, "train.max_steps=4") == 0
+    in_place = tmp_path / "in_place"
+    shutil.copytree(src, in_place)
+    cooldown = ["train.max_steps=6", "train.cooldown=0.5"]
+    assert train(tiny_params, tiny_shards, in_place, *cooldown, "--allow-param-change") == 0
+    caplog.set_level("INFO", logger="transformer")
+    state = ckpt.checkpoint_path(src, "state", 4)
+    branch = tmp_path / "branch"
+    assert train(tiny_params, tiny_shards, branch, *cooldown, "--init-from", str(state)) == 0
+    assert f"branching from {state}: train.cooldown: 0.0 in checkpoint, 0.5 now" in caplog.text
+    assert_same_training(final_state(branch), final_state(in_place))
+    assert names(branch, "model") == names(in_place, "model") == [
+        "model-0000002.pt", "model-0000004.pt", "model-0000006.pt"]  # fmt: skip
+    assert names(src, "model") == ["model-0000002.pt", "model-0000004.pt"]
+    assert names(src, "state") == ["state-0000002.pt", "state-0000004.pt"]
+    # Rerun, the branch resumes its own state (here: finished); a state is all it starts from.
+    caplog.clear()
+    assert train(tiny_params, tiny_shards, branch, *cooldown, "--init-from", str(state)) == 0
+    assert "nothing to do" in caplog.text and "branching" not in caplog.text
+    snapshot = ckpt.checkpoint_path(src, "model", 4)
+    capsys.readouterr()
+    assert train(tiny_params, tiny_shards, tmp_path / "b2", "--init-from", str(snapshot)) == 2
+    err = capsys.readouterr().err
+    assert str(snapshot) in err and "not 'transformer-mt/state" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_a_resumed_optimizer_steps_with_this_machines_kernels(tiny_params, tiny_shards, tmp_path):
     """A state saved where the optimizer was fused (a GPU) resumes unfused on a CPU: the
     saved param groups' flags, which load_state_dict restores, give way to this run's

@@ -33,7 +33,7 @@ import torch
 
 from transformer.config import ModelConfig, TrainConfig, flatten, operational_keys, to_dict
 from transformer.distributed import all_gather_objects
-from transformer.files import CHECKPOINTS
+from transformer.files import CHECKPOINTS, atomic_write
 
 MODEL_FORMAT = "transformer-mt/model/1"
 STATE_FORMAT = "transformer-mt/state/1"
@@ -206,6 +206,21 @@ class CheckpointManager:
 
     def path(self, kind: str, step: int) -> Path:
         return checkpoint_path(self.run_dir, kind, step)
+
+    def adopt_snapshots(self, source_run_dir: Path, state: dict[str, Any]) -> None:
+        """Bring the snapshots indexed in `state` (another run's) into this run folder, so a
+        branch averages and prunes as that run would have: hard links (snapshots are never
+        rewritten), copies across file systems."""
+        for entry in state["snapshots"]:
+            source = checkpoint_path(source_run_dir, "model", entry["step"])
+            target = self.path("model", entry["step"])
+            if target.exists() or not source.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:
+                atomic_write(target, source.read_bytes())
 
     def snapshot(self, step: int, meta: dict[str, Any], model: dict, score: float | None) -> Path:
         """Write the model of `step` for averaging, then prune the snapshots."""

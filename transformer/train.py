@@ -10,6 +10,8 @@ from the newest readable state and continues the same trajectory; a finished run
 no-op. Operational keys (config.operational: cadences, how long to train, patience, the
 memory bound max_tokens) may change on resume; any other model or train key, or other data,
 is refused with the differences named, unless `--allow-param-change`; `--reset` starts over.
+`--init-from STATE` starts an empty run folder from another run's training state with these
+params: a branch, as warmup-stable-decay invites (one held-lr run, several cooldowns).
 
 Exit codes: 0 trained to train.max_steps or stopped early (or already there); 1 stopped
 after train.max_bad_steps non-finite updates in a row; 2 bad params, data or checkpoints
@@ -179,15 +181,26 @@ class Trainer:
 
     # ------------------------------------------------------------------- resume
 
-    def resume(self, allow_change: bool) -> None:
-        """Load the newest readable state, if any; refuse another run unless allowed."""
+    def resume(self, allow_change: bool, init_from: Path | None = None) -> None:
+        """Load the newest readable state, if any; refuse another run unless allowed. A run
+        folder with none starts from `init_from`, another run's state, if given: a branch
+        (another cooldown from a held-lr state), whose params differences are expected."""
         found = self.checkpoints.load_latest() if self.env.is_main else None
-        path = broadcast_object(str(found[0]) if found else None)  # every rank, one file
+        branch = self.env.is_main and found is None and init_from is not None
+        if branch:
+            found = init_from, load_typed(init_from, STATE_FORMAT, mmap=True)
+            self.checkpoints.adopt_snapshots(init_from.parent.parent, found[1]["checkpoints"])
+        # Every rank loads the one file rank 0 chose, and knows whether it is a branch.
+        path, branch = broadcast_object((str(found[0]) if found else None, branch))
         if path is None:
             log.info("no checkpoint in %s: starting at step 0", self.run_dir)
             return
         state = found[1] if found else load_typed(path, STATE_FORMAT, mmap=True)
         differences = resume_differences(state["params"], to_dict(self.params))
+        if branch:
+            for line in differences:
+                log.info("branching from %s: %s", path, line)
+            differences = []
         if state["data_fingerprint"] != self.fingerprint:
             differences.append(
                 f"data fingerprint {state['data_fingerprint']} in checkpoint, "
@@ -441,6 +454,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     mode.add_argument("--reset", action="store_true", help="delete the checkpoints, start over")
     parser.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="STATE",
+        help="start an empty run folder from another run's training state (state-*.pt): "
+        "its weights, optimizer, step and data position, with these params (a branch; the "
+        "differences are listed); a rerun resumes the folder's own",
+    )
+    parser.add_argument(
         "--no-timestamps",
         action="store_true",
         help="log lines without a time (a caller that adds its own)",
@@ -456,7 +477,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsLogger | None):
     t = Trainer(params, env, args.data, args.out)
     t.describe()
-    t.resume(args.allow_param_change)
+    t.resume(args.allow_param_change, args.init_from)
     if env.is_main:  # the run folder's copy of the vocabulary: the export bundles it
         atomic_write(args.out / SPM_MODEL, t.sp.serialized_model_proto())
     if t.finished:
