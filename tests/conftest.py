@@ -202,3 +202,15 @@ def assert_same_updates(got: dict, want: dict, atol: float) -> None:
             value = torch.cat([value[:d], value[2 * d :]])
             expected = torch.cat([expected[:d], expected[2 * d :]])
         torch.testing.assert_close(value, expected, rtol=0, atol=atol, msg=key)
+
+
+def assert_same_training(a: dict, b: dict) -> None:
+    """Bitwise: model, optimizer moments, schedule, data position, step."""
+    assert a["step"] == b["step"] and a["progress"] == b["progress"]
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for pid, moments in a["optimizer"]["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(value, b["optimizer"]["state"][pid][name]), (pid, name)
+    assert a["scheduler"] == b["scheduler"]
+    assert a["data"] == b["data"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_updates
+from conftest import assert_same_training, assert_same_updates
 
 from transformer import checkpoint as ckpt
 from transformer.distributed import all_gather_objects, all_reduce_sum, init_distributed
@@ -74,12 +75,16 @@ def test_two_ranks_equal_one_rank_accumulating_two_batches(tiny_params, tiny_sha
     assert two.count("step 3/3 (100%)") == 1 and one.count("step 3/3 (100%)") == 1
     assert "2 rank(s) x 1 micro-batch(es)" in two and "1 rank(s) x 2 micro-batch(es)" in one
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-3)
-    # A branch on two ranks: rank 0 picks the state (and says it is a branch), all load it.
+    # A branch on two ranks is the run resumed in place with the new params, bit for bit.
+    shutil.copytree(tmp_path / "two", tmp_path / "in_place")
+    more = [*update, "train.max_steps=5", "train.cooldown=0.5"]
+    _train(tmp_path / "in_place", tiny_params, tiny_shards, torchrun, *more, "--allow-param-change")
     state = ckpt.checkpoint_path(tmp_path / "two", "state", 3)
-    more = [*update, "train.max_steps=5", "train.cooldown=0.5", "--init-from", str(state)]
-    branch = _train(tmp_path / "branch", tiny_params, tiny_shards, torchrun, *more)
+    branch = _train(
+        tmp_path / "b", tiny_params, tiny_shards, torchrun, *more, "--init-from", str(state)
+    )
     assert "train.cooldown: 0.0 in checkpoint, 0.5 now" in branch and "step 5/5" in branch
-    assert _final(tmp_path / "branch")["step"] == 5
+    assert_same_training(_final(tmp_path / "b"), _final(tmp_path / "in_place"))
 
 
 @pytest.mark.slow

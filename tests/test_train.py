@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_training
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer.train as train_module
@@ -73,18 +74,6 @@ def final_state(run_dir: Path) -> dict:
 
 def names(run_dir: Path, kind: str) -> list[str]:
     return [p.name for p in ckpt.list_files(run_dir, kind)]
-
-
-def assert_same_training(a: dict, b: dict) -> None:
-    """Bitwise: model, optimizer moments, schedule, data position, step."""
-    assert a["step"] == b["step"] and a["progress"] == b["progress"]
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for pid, moments in a["optimizer"]["state"].items():
-        for name, value in moments.items():
-            assert torch.equal(value, b["optimizer"]["state"][pid][name]), (pid, name)
-    assert a["scheduler"] == b["scheduler"]
-    assert a["data"] == b["data"]
 
 
 # --------------------------------------------------------------------------- in-process
@@ -241,7 +230,7 @@ def test_operational_changes_resume_and_identity_changes_are_refused(
 
 
 def test_a_branch_is_its_source_resumed_with_the_new_params(
-    tiny_params, tiny_shards, tmp_path, capsys, caplog
+    tiny_params, tiny_shards, tmp_path, capsys, caplog, monkeypatch
 ):
     """--init-from STATE: another cooldown from a saved state, in a new folder, is the source
     run resumed there with the new params (--allow-param-change), bit for bit, and keeps the
@@ -256,19 +245,35 @@ def test_a_branch_is_its_source_resumed_with_the_new_params(
     state = ckpt.checkpoint_path(src, "state", 4)
     branch = tmp_path / "branch"
     assert train(tiny_params, tiny_shards, branch, *cooldown, "--init-from", str(state)) == 0
-    assert f"branching from {state}: train.cooldown: 0.0 in checkpoint, 0.5 now" in caplog.text
+    assert f"branching from {state} at step 4" in caplog.text
+    assert "another value: train.cooldown: 0.0 in checkpoint, 0.5 now" in caplog.text
     assert_same_training(final_state(branch), final_state(in_place))
     assert names(branch, "model") == names(in_place, "model") == [
         "model-0000002.pt", "model-0000004.pt", "model-0000006.pt"]  # fmt: skip
+    assert names(branch, "state") == ["state-0000004.pt", "state-0000006.pt"]  # its own
     assert names(src, "model") == ["model-0000002.pt", "model-0000004.pt"]
     assert names(src, "state") == ["state-0000002.pt", "state-0000004.pt"]
-    # Rerun, the branch resumes its own state (here: finished); a state is all it starts from.
+    # Rerun, the branch resumes its own state (here: finished), with or without the flag.
     caplog.clear()
     assert train(tiny_params, tiny_shards, branch, *cooldown, "--init-from", str(state)) == 0
-    assert "nothing to do" in caplog.text and "branching" not in caplog.text
+    assert "--init-from ignored" in caplog.text and "nothing to do" in caplog.text
+    # A relative path; copies where links fail; a snapshot the source no longer has is named.
+    (src / "checkpoints" / "model-0000002.pt").unlink()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError("cross-device")))
+    caplog.clear()
+    relative = Path("src", "checkpoints", "state-0000004.pt")
+    assert (
+        train(tiny_params, tiny_shards, tmp_path / "b2", *cooldown, "--init-from", str(relative))
+        == 0
+    )
+    assert "the snapshots of step(s) [2], kept by that state, are gone" in caplog.text
+    assert names(tmp_path / "b2", "model") == ["model-0000004.pt", "model-0000006.pt"]
+    assert_same_training(final_state(tmp_path / "b2"), final_state(in_place))
+    # A state is all it starts from: one line, exit 2.
     snapshot = ckpt.checkpoint_path(src, "model", 4)
     capsys.readouterr()
-    assert train(tiny_params, tiny_shards, tmp_path / "b2", "--init-from", str(snapshot)) == 2
+    assert train(tiny_params, tiny_shards, tmp_path / "b3", "--init-from", str(snapshot)) == 2
     err = capsys.readouterr().err
     assert str(snapshot) in err and "not 'transformer-mt/state" in err
     assert len(err.splitlines()) == 1

@@ -207,20 +207,27 @@ class CheckpointManager:
     def path(self, kind: str, step: int) -> Path:
         return checkpoint_path(self.run_dir, kind, step)
 
-    def adopt_snapshots(self, source_run_dir: Path, state: dict[str, Any]) -> None:
-        """Bring the snapshots indexed in `state` (another run's) into this run folder, so a
-        branch averages and prunes as that run would have: hard links (snapshots are never
-        rewritten), copies across file systems."""
-        for entry in state["snapshots"]:
+    def adopt_snapshots(self, source_run_dir: Path, index: dict[str, Any]) -> list[int]:
+        """Bring the snapshots of another run's index into this run folder, so a branch
+        averages and prunes as that run would have: hard links (a snapshot is never
+        rewritten), copies across file systems; what this folder held at those steps is
+        replaced. Returns the steps whose files the source no longer has."""
+        missing = []
+        for entry in index["snapshots"]:
             source = checkpoint_path(source_run_dir, "model", entry["step"])
             target = self.path("model", entry["step"])
-            if target.exists() or not source.exists():
+            if not source.exists():
+                missing.append(entry["step"])
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             try:
-                os.link(source, target)
+                os.link(source, tmp)
             except OSError:
                 atomic_write(target, source.read_bytes())
+            else:
+                os.replace(tmp, target)
+        return missing
 
     def snapshot(self, step: int, meta: dict[str, Any], model: dict, score: float | None) -> Path:
         """Write the model of `step` for averaging, then prune the snapshots."""

@@ -35,20 +35,22 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-def operational(default: Any, **constraints: Any) -> Any:
+def operational(default: Any, added: bool = False, **constraints: Any) -> Any:
     """Declare a key operational: it changes how a stage runs (cadence, logging, workers,
     how long to train, where files are), never what a finished stage holds. Every other key
     is identity-bearing. This one declaration is what stage folders, the trainer's resume
-    check and the data fingerprint all read (`identity`, `operational_keys`)."""
-    return Field(default, json_schema_extra={"operational": True}, **constraints)
+    check and the data fingerprint all read (`identity`, `operational_keys`). `added`: as
+    for `added` below (operational keys are in the run's params hash)."""
+    extra = {"operational": True, "added": added}
+    return Field(default, json_schema_extra=extra, **constraints)
 
 
 def added(default: Any, **constraints: Any) -> Any:
-    """Declare an identity-bearing key added to a schema that work dirs already used, its
-    default being what every run did before it existed. At that default it is left out of
-    every identity (stage folders, the data fingerprint, the run's params hash), so adding
-    it renames no finished stage: a work dir made before it resumes instead of training
-    again. Its default can therefore never change."""
+    """Declare an identity-bearing key (a plain value, not a section) added to a schema that
+    work dirs already used, its default being what every run did before it existed. At that
+    default it is left out of every identity (stage folders, the data fingerprint, the run's
+    params hash), so adding it renames no finished stage: a work dir made before it resumes
+    instead of training again. Its default can therefore never change."""
     return Field(default, json_schema_extra={"added": True}, **constraints)
 
 

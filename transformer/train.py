@@ -185,21 +185,16 @@ class Trainer:
         """Load the newest readable state, if any; refuse another run unless allowed. A run
         folder with none starts from `init_from`, another run's state, if given: a branch
         (another cooldown from a held-lr state), whose params differences are expected."""
-        found = self.checkpoints.load_latest() if self.env.is_main else None
-        branch = self.env.is_main and found is None and init_from is not None
-        if branch:
-            found = init_from, load_typed(init_from, STATE_FORMAT, mmap=True)
-            self.checkpoints.adopt_snapshots(init_from.parent.parent, found[1]["checkpoints"])
-        # Every rank loads the one file rank 0 chose, and knows whether it is a branch.
-        path, branch = broadcast_object((str(found[0]) if found else None, branch))
-        if path is None:
+        chosen = self.choose_state(init_from)
+        if chosen is None:
             log.info("no checkpoint in %s: starting at step 0", self.run_dir)
             return
-        state = found[1] if found else load_typed(path, STATE_FORMAT, mmap=True)
+        path, state, branch = chosen
         differences = resume_differences(state["params"], to_dict(self.params))
         if branch:
+            log.info("branching from %s at step %d", path, state["step"])
             for line in differences:
-                log.info("branching from %s: %s", path, line)
+                log.info("branching with another value: %s", line)
             differences = []
         if state["data_fingerprint"] != self.fingerprint:
             differences.append(
@@ -208,8 +203,9 @@ class Trainer:
             )
         if differences and not allow_change:
             raise TrainError(
-                f"cannot resume from {path}: {'; '.join(differences)}. Rerun with "
-                "--allow-param-change to continue anyway, or --reset to start over"
+                f"cannot {'branch' if branch else 'resume'} from {path}: "
+                f"{'; '.join(differences)}. Rerun with --allow-param-change to continue "
+                "anyway" + ("" if branch else ", or --reset to start over")
             )
         for line in differences:
             log.warning("resuming despite a difference (--allow-param-change): %s", line)
@@ -220,12 +216,38 @@ class Trainer:
         state["optimizer"] = with_these_kernels(self.optimizer, state["optimizer"])
         try:
             for name, part in self.parts.items():
+                if name == "checkpoints" and branch and self.env.is_main:
+                    # Last, once the run is known to fit: its index names the source's files.
+                    self.adopt_branch_snapshots(path, state["checkpoints"])
                 part.load_state_dict(state[name])
         except (RuntimeError, ValueError, KeyError) as err:
             raise TrainError(f"{path}: does not fit this run: {err}") from None
         resync_lr(self.optimizer, self.scheduler)
+        if branch:  # the folder's own first state: a rerun resumes it, not the source
+            self.save_state()
         self.saved_step = self.progress.step
         log.info("resumed from %s at step %d", path, self.progress.step)
+
+    def choose_state(self, init_from: Path | None) -> tuple[Path, dict, bool] | None:
+        """(path, state, is a branch): this folder's newest state (rank 0 finds it, every
+        rank loads that file) or, if it has none, `init_from`, which every rank loads itself,
+        so that a wrong file fails on all of them alike."""
+        found = self.checkpoints.load_latest() if self.env.is_main else None
+        own = broadcast_object(str(found[0]) if found else None)
+        if own is not None:
+            if init_from is not None:
+                log.info("--init-from ignored: %s has a state of its own", self.run_dir)
+            return Path(own), found[1] if found else load_typed(own, STATE_FORMAT, mmap=True), False
+        if init_from is None:
+            return None
+        return init_from, load_typed(init_from, STATE_FORMAT, mmap=True), True
+
+    def adopt_branch_snapshots(self, state_path: Path, index: dict[str, Any]) -> None:
+        source = state_path.resolve().parent.parent  # RUN/checkpoints/state-*.pt
+        missing = self.checkpoints.adopt_snapshots(source, index)
+        if missing:
+            log.warning("branching: the snapshots of step(s) %s, kept by that state, are gone "
+                        "from %s: averages will lack them", missing, source)  # fmt: skip
 
     # ------------------------------------------------------------------- the loop
 
@@ -357,11 +379,15 @@ class Trainer:
             }
             self.checkpoints.snapshot(step, meta, self.model.state_dict(), score)
         if full:
-            state = {name: part.state_dict() for name, part in self.parts.items()}
-            if self.env.is_main:
-                self.checkpoints.save_state(step, {**self.describe_state(), **state})
-            self.saved_step = step
+            self.save_state()
         barrier()
+
+    def save_state(self) -> None:
+        """The training state (a collective: every rank's RNG is gathered)."""
+        state = {name: part.state_dict() for name, part in self.parts.items()}
+        if self.env.is_main:
+            self.checkpoints.save_state(self.progress.step, {**self.describe_state(), **state})
+        self.saved_step = self.progress.step
 
     def describe_state(self) -> dict[str, Any]:
         return {
