@@ -260,7 +260,11 @@ def test_a_branch_is_its_source_resumed_with_the_new_params(
     # A relative path; copies where links fail; a snapshot the source no longer has is named.
     (src / "checkpoints" / "model-0000002.pt").unlink()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError("cross-device")))
+
+    def no_links(*args):
+        raise OSError("cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
     caplog.clear()
     relative = Path("src", "checkpoints", "state-0000004.pt")
     assert (

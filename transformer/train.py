@@ -237,7 +237,8 @@ class Trainer:
         if own is not None:
             if init_from is not None:
                 log.info("--init-from ignored: %s has a state of its own", self.run_dir)
-            return Path(own), found[1] if found else load_typed(own, STATE_FORMAT, mmap=True), False
+            state = found[1] if found else load_typed(own, STATE_FORMAT, mmap=True)
+            return Path(own), state, False
         if init_from is None:
             return None
         return init_from, load_typed(init_from, STATE_FORMAT, mmap=True), True
