@@ -124,7 +124,8 @@ def test_a_key_added_at_its_default_renames_no_stage():
     explicit = load_params(PARAMS / "base.yaml", ["train.cooldown_shape=linear"])
     assert params_hash(explicit) == params_hash(p)
     before = to_dict(p)
-    del before["train"]["cooldown_shape"]
+    for key in ("cooldown_shape", "cooldown_dropout"):  # the keys added since c7868a0
+        del before["train"][key]
     assert params_hash(p) == fingerprint(before) and params_hash(q) != params_hash(p)
 
 
@@ -172,6 +173,7 @@ def _write(tmp_path, text, name="p.yaml"):
         (["data.source.revision=null"], "data.source", "revision"),
         (["clean.min_len=300"], "clean.min_len", "max_len"),
         (["train.best_metric=bleu"], "train.best_metric", "valid_bleu"),
+        (["train.cooldown_dropout=0.1"], "train.cooldown_dropout", "train.cooldown > 0"),
         (["export.quantization=int4"], "export.quantization", "int8"),
         (["export.formats=[onnx]"], "export.formats", "ctranslate2"),
         (["train.adam_betas=[0.9,1.5]"], "train.adam_betas", "[0, 1)"),

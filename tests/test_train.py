@@ -283,6 +283,24 @@ def test_a_branch_is_its_source_resumed_with_the_new_params(
     assert len(err.splitlines()) == 1
 
 
+def test_a_cooldown_dropout_is_a_branch_at_the_cooldown_with_that_dropout(
+    tiny_params, tiny_shards, tmp_path
+):
+    """train.cooldown_dropout: the run is, bit for bit, the same run without it branched
+    where its cooldown begins with model.dropout at that rate; and it is another run."""
+    cooldown = ["train.max_steps=6", "train.cooldown=0.5"]
+    lowered, plain, src, branch = (tmp_path / n for n in ("lowered", "plain", "src", "branch"))
+    assert train(tiny_params, tiny_shards, lowered, *cooldown, "train.cooldown_dropout=0.02") == 0
+    assert train(tiny_params, tiny_shards, plain, *cooldown) == 0
+    assert train(tiny_params, tiny_shards, src, "train.max_steps=3") == 0  # held lr to 3
+    state = str(ckpt.checkpoint_path(src, "state", 3))
+    assert train(tiny_params, tiny_shards, branch, *cooldown, "model.dropout=0.02",
+                 "--init-from", state) == 0  # fmt: skip
+    assert_same_training(final_state(lowered), final_state(branch))
+    weights = final_state(lowered)["model"], final_state(plain)["model"]
+    assert not all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_a_resumed_optimizer_steps_with_this_machines_kernels(tiny_params, tiny_shards, tmp_path):
     """A state saved where the optimizer was fused (a GPU) resumes unfused on a CPU: the
     saved param groups' flags, which load_state_dict restores, give way to this run's

@@ -224,6 +224,10 @@ class TrainConfig(Section):
     # max_steps on resume moves the cooldown to the new end.
     cooldown: float = Field(0.0, ge=0.0, lt=1.0)
     cooldown_shape: Literal["linear", "1-sqrt"] = added("linear")
+    # model.dropout (embeddings, residuals) during the cooldown; None: model.dropout to the
+    # end. Lower, the anneal fits the data rather than regularises (Liu et al. 2023's
+    # "early dropout", for models that underfit).
+    cooldown_dropout: float | None = added(None, ge=0.0, lt=1.0)
     adam_betas: list[float] = Field([0.9, 0.98], min_length=2, max_length=2)
     adam_eps: float = Field(1e-9, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -251,6 +255,8 @@ class TrainConfig(Section):
             raise ValueError(f"adam_betas: must lie in [0, 1), got {list(self.adam_betas)}")
         if self.best_metric == "bleu" and not self.valid_bleu:
             raise ValueError("best_metric: 'bleu' needs train.valid_bleu: true")
+        if self.cooldown_dropout is not None and not self.cooldown:
+            raise ValueError("cooldown_dropout: needs a cooldown (train.cooldown > 0)")
         return self
 
 

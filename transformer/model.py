@@ -251,6 +251,13 @@ class Transformer(nn.Module):
         (B, T, D), which the training loss projects chunk by chunk (loss.py)."""
         return self.decode(tgt_in, self.encode(src), src == self.pad_id, project=project)
 
+    def set_dropout(self, p: float) -> None:
+        """model.dropout's rate (embeddings, residuals) from the next forward pass on: the
+        trainer's cooldown may lower it (train.cooldown_dropout)."""
+        for module in self.modules():
+            if isinstance(module, Residual) or module is self:
+                module.dropout.p = p
+
     def new_cache(self, max_len: int = 0) -> KVCache:
         """An empty cache with room for `max_len` target positions (it grows past them)."""
         return KVCache(self.cfg.n_layers, max_len)

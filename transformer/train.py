@@ -77,7 +77,13 @@ from transformer.metrics import (
     setup_logging,
 )
 from transformer.model import Transformer
-from transformer.optim import build_optimizer, clip_gradients, resync_lr, with_these_kernels
+from transformer.optim import (
+    build_optimizer,
+    clip_gradients,
+    cooldown_factor,
+    resync_lr,
+    with_these_kernels,
+)
 from transformer.validate import EarlyStopping, validate
 from transformer.vocab import PAD, VocabError, load_spm
 
@@ -257,6 +263,7 @@ class Trainer:
         batches = iter(self.loader)
         while not self.finished:
             start = time.perf_counter()
+            self.schedule_dropout()
             micro = [next(batches).to(self.env.device) for _ in range(self.update_freq)]
             result = self.step(micro, stop.requested)
             if result.ok:
@@ -270,6 +277,18 @@ class Trainer:
             if result.stop and not self.finished:
                 return self.save_and_stop(stop)
         return 0
+
+    def schedule_dropout(self) -> None:
+        """The next update's model.dropout: train.cooldown_dropout if it anneals. Checked at
+        every update, so a resume, or a max_steps that moves the cooldown, gets it right."""
+        cfg, step = self.cfg, self.progress.step + 1
+        lower = cfg.cooldown_dropout is not None and (
+            cooldown_factor(step, cfg.max_steps, cfg.cooldown) < 1.0
+        )
+        rate = cfg.cooldown_dropout if lower else self.params.model.dropout
+        if rate != self.model.dropout.p:
+            log.info("update %d on: model.dropout %g (train.cooldown_dropout)", step, rate)
+            self.model.set_dropout(rate)
 
     def step(self, batches: list[Batch], stop_requested: bool) -> StepResult:
         """One update from this rank's micro-batches (gradients all-reduced after the last).
