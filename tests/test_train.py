@@ -292,13 +292,28 @@ def test_a_cooldown_dropout_is_a_branch_at_the_cooldown_with_that_dropout(
     lowered, plain, src, branch = (tmp_path / n for n in ("lowered", "plain", "src", "branch"))
     assert train(tiny_params, tiny_shards, lowered, *cooldown, "train.cooldown_dropout=0.02") == 0
     assert train(tiny_params, tiny_shards, plain, *cooldown) == 0
-    assert train(tiny_params, tiny_shards, src, "train.max_steps=3") == 0  # held lr to 3
+    # No cooldown to 3: the 6-update run anneals from update 4 (ceil(0.5 * 6) = 3 updates).
+    assert train(tiny_params, tiny_shards, src, "train.max_steps=3") == 0
     state = str(ckpt.checkpoint_path(src, "state", 3))
     assert train(tiny_params, tiny_shards, branch, *cooldown, "model.dropout=0.02",
                  "--init-from", state) == 0  # fmt: skip
     assert_same_training(final_state(lowered), final_state(branch))
     weights = final_state(lowered)["model"], final_state(plain)["model"]
     assert not all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    # Resumed inside the cooldown (from update 5), the rate is set again.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(lowered, resumed)
+    ckpt.checkpoint_path(resumed, "state", 6).unlink()
+    assert train(tiny_params, tiny_shards, resumed, *cooldown, "train.cooldown_dropout=0.02") == 0
+    assert_same_training(final_state(resumed), final_state(lowered))
+    # max_steps raised on resume moves the cooldown, and the lowered rate with it: 4 at
+    # the held rate then 2 lowered is the 6-update run, whose cooldown begins at update 4.
+    moved = tmp_path / "moved"
+    assert train(tiny_params, tiny_shards, moved, "train.max_steps=4", "train.cooldown=0.5",
+                 "train.cooldown_dropout=0.02") == 0  # fmt: skip
+    ckpt.checkpoint_path(moved, "state", 4).unlink()  # back to update 2, before any lowering
+    assert train(tiny_params, tiny_shards, moved, *cooldown, "train.cooldown_dropout=0.02") == 0
+    assert_same_training(final_state(moved), final_state(lowered))
 
 
 def test_a_resumed_optimizer_steps_with_this_machines_kernels(tiny_params, tiny_shards, tmp_path):

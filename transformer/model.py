@@ -254,9 +254,9 @@ class Transformer(nn.Module):
     def set_dropout(self, p: float) -> None:
         """model.dropout's rate (embeddings, residuals) from the next forward pass on: the
         trainer's cooldown may lower it (train.cooldown_dropout)."""
-        for module in self.modules():
-            if isinstance(module, Residual) or module is self:
-                module.dropout.p = p
+        residuals = (m.dropout for m in self.modules() if isinstance(m, Residual))
+        for dropout in (self.dropout, *residuals):
+            dropout.p = p
 
     def new_cache(self, max_len: int = 0) -> KVCache:
         """An empty cache with room for `max_len` target positions (it grows past them)."""

@@ -32,12 +32,18 @@ def cooldown_factor(step: int, max_steps: int, cooldown: float, shape: str = "li
     steeper at first, longer near zero), x the fraction of the window gone: a run that must
     end at a given step ends annealed (a lower loss than its inverse-sqrt lr leaves; 1-sqrt
     the lower of the two, Hagele et al. 2024)."""
-    window = math.ceil(cooldown * max_steps)
-    start = max_steps - window  # the last update at the full schedule
-    if window == 0 or step <= start:
+    if not in_cooldown(step, max_steps, cooldown):
         return 1.0
+    window = math.ceil(cooldown * max_steps)
     left = max(0.0, (max_steps + 1 - step) / (window + 1))  # 1 - x
     return 1.0 - math.sqrt(1.0 - left) if shape == "1-sqrt" else left
+
+
+def in_cooldown(step: int, max_steps: int, cooldown: float) -> bool:
+    """Whether update `step` (counted from 1) is in the last `cooldown` fraction of
+    `max_steps`: ceil(cooldown * max_steps) updates, none with no cooldown."""
+    window = math.ceil(cooldown * max_steps)
+    return window > 0 and step > max_steps - window
 
 
 def build_optimizer(

@@ -80,7 +80,7 @@ from transformer.model import Transformer
 from transformer.optim import (
     build_optimizer,
     clip_gradients,
-    cooldown_factor,
+    in_cooldown,
     resync_lr,
     with_these_kernels,
 )
@@ -263,7 +263,6 @@ class Trainer:
         batches = iter(self.loader)
         while not self.finished:
             start = time.perf_counter()
-            self.schedule_dropout()
             micro = [next(batches).to(self.env.device) for _ in range(self.update_freq)]
             result = self.step(micro, stop.requested)
             if result.ok:
@@ -278,21 +277,10 @@ class Trainer:
                 return self.save_and_stop(stop)
         return 0
 
-    def schedule_dropout(self) -> None:
-        """The next update's model.dropout: train.cooldown_dropout if it anneals. Checked at
-        every update, so a resume, or a max_steps that moves the cooldown, gets it right."""
-        cfg, step = self.cfg, self.progress.step + 1
-        lower = cfg.cooldown_dropout is not None and (
-            cooldown_factor(step, cfg.max_steps, cfg.cooldown) < 1.0
-        )
-        rate = cfg.cooldown_dropout if lower else self.params.model.dropout
-        if rate != self.model.dropout.p:
-            log.info("update %d on: model.dropout %g (train.cooldown_dropout)", step, rate)
-            self.model.set_dropout(rate)
-
     def step(self, batches: list[Batch], stop_requested: bool) -> StepResult:
         """One update from this rank's micro-batches (gradients all-reduced after the last).
         One host sync: the finiteness check reads the update's sums back."""
+        self.schedule_dropout()
         dev, world = self.env.device, self.env.world_size
         # A fill, not a copy from the host: no sync. DDP averages gradients over ranks, so
         # times world / (the update's target tokens on all ranks) the gradient is that of the
@@ -317,6 +305,16 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(ok, loss, nll, n_tokens, norm, lr, stop > 0)
+
+    def schedule_dropout(self) -> None:
+        """This update's model.dropout: train.cooldown_dropout in the cooldown. Checked at
+        every update, so a resume, or a max_steps that moves the cooldown, gets it right."""
+        cfg, step = self.cfg, self.progress.step + 1
+        lower = cfg.cooldown_dropout is not None and in_cooldown(step, cfg.max_steps, cfg.cooldown)
+        rate = cfg.cooldown_dropout if lower else self.params.model.dropout
+        if rate != self.model.dropout.p:
+            log.info("update %d on: model.dropout %g (train.cooldown_dropout)", step, rate)
+            self.model.set_dropout(rate)
 
     def sync_gradients(self, last: bool):
         """All-reduce only on the update's last micro-batch (DDP's no_sync for the others)."""
