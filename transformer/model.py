@@ -253,7 +253,7 @@ class Transformer(nn.Module):
 
     def set_dropout(self, p: float) -> None:
         """model.dropout's rate (embeddings, residuals) from the next forward pass on: the
-        trainer's cooldown may lower it (train.cooldown_dropout)."""
+        trainer sets train.cooldown_dropout for the cooldown."""
         residuals = (m.dropout for m in self.modules() if isinstance(m, Residual))
         for dropout in (self.dropout, *residuals):
             dropout.p = p
