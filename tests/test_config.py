@@ -174,6 +174,8 @@ def _write(tmp_path, text, name="p.yaml"):
         (["clean.min_len=300"], "clean.min_len", "max_len"),
         (["train.best_metric=bleu"], "train.best_metric", "valid_bleu"),
         (["train.cooldown_dropout=0.1"], "train.cooldown_dropout", "train.cooldown > 0"),
+        (["train.cooldown=0.2", "train.cooldown_dropout=0.1"], "train.cooldown_dropout",
+         "model.dropout already"),
         (["export.quantization=int4"], "export.quantization", "int8"),
         (["export.formats=[onnx]"], "export.formats", "ctranslate2"),
         (["train.adam_betas=[0.9,1.5]"], "train.adam_betas", "[0, 1)"),

@@ -325,6 +325,9 @@ class Params(Section):
         if sampled and self.vocab.model_type != "bpe":
             raise ValueError(f"shard.{sampled[0]}: needs vocab.model_type bpe, not "
                              f"{self.vocab.model_type}")  # fmt: skip
+        if self.train.cooldown_dropout == self.model.dropout:  # a no-op that renames the run
+            raise ValueError(f"train.cooldown_dropout: {self.train.cooldown_dropout} is "
+                             "model.dropout already; leave it null")  # fmt: skip
         kept = self.train.keep_last if self.average.select == "last" else self.train.keep_best
         if self.average.last_n > kept:
             which = f"keep_{self.average.select}"
