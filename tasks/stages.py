@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tasks.settings import RunParams
-from tasks.train import launch_training, training_request
+from tasks.train import launch_training, train_cooldowns, training_request
 from transformer.average import export_average
 from transformer.config import fingerprint, identity
 from transformer.data.clean import clean_corpus
@@ -92,9 +92,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("train", ("model", "train"), ("shards",), launch_training,
           satisfied=lambda p, record: record["report"]["request"] == training_request(p),
           output=lambda report: {k: report[k] for k in ("step", "snapshots")}),
-    Stage("average", ("average",), ("train",),
+    Stage("average", ("average",), ("train", "shards"),
           lambda r: export_average(r.inputs["train"], r.params.average, r.out / MODEL,
-                                   max_step=r.params.train.max_steps),
+                                   max_step=r.params.train.max_steps,
+                                   branches=train_cooldowns(r)),
           artifacts=(MODEL,)),
     Stage("decode", ("decode", "score"), ("average", "clean"),
           lambda r: decode_and_score(r.inputs["average"] / MODEL, r.inputs["clean"],

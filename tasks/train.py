@@ -1,5 +1,6 @@
 """The train stage: the library's trainer in a subprocess (under torchrun for several
-processes), its output streamed to the run's log, its metrics in MLflow.
+processes), its output streamed to the run's log, its metrics in MLflow; and the further
+cooldowns the average stage branches from the run (`average.cooldowns`).
 
 The same run folder serves every params that differ only in operational keys: the trainer
 resumes from its newest state by itself, so a raised `train.max_steps` or `patience`
@@ -9,6 +10,7 @@ continues the run, and a killed run loses at most `train.save_every` steps.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,8 +26,9 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from prefect import get_run_logger
 from prefect.exceptions import TerminationSignal
 
-from transformer.checkpoint import describe_run
+from transformer.checkpoint import checkpoint_path, describe_run
 from transformer.files import TRAIN_LOG
+from transformer.optim import cooldown_start
 
 # Keys that say where training ends: a finished record that asked for other values is
 # extended (or, if already past them, confirmed) by running the trainer again.
@@ -46,31 +50,64 @@ def training_request(params) -> dict:
 def launch_training(r) -> dict:
     """Train (or resume) in `r.out` until the params' stopping point; return where it got.
     `r`: a tasks.stages.StageRun."""
-    monitor = SystemMetricsMonitor(
-        r.tracking["stage_run_id"], sampling_interval=5, tracking_uri=r.tracking["uri"]
-    )
-    monitor.start()
-    try:
-        pipeline = r.params.pipeline
-        launch(
-            r.params_file,
-            r.inputs["shards"],
-            r.out,
-            r.tracking,
-            nproc=pipeline.nproc_per_node or torch.cuda.device_count() or 1,
-            timeout_s=pipeline.train_timeout_minutes * 60 or None,
-        )
-    finally:
-        monitor.finish()
+    with system_metrics(r.tracking):
+        launch(r.params_file, r.inputs["shards"], r.out, r.tracking, **limits(r.params))
     return {**describe_run(r.out), "request": training_request(r.params)}
 
 
-def command(params_file: Path, shards: Path, out: Path, nproc: int) -> list[str]:
+def train_cooldowns(r) -> list[Path]:
+    """The further cooldowns `average.cooldowns` asks for, trained (or resumed) in
+    `r.out/cooldown-<i>`: each a branch of the train stage's run from its state at the
+    cooldown's start, with train.seed + i; metrics in the stage's own MLflow run."""
+    train, cfg = r.params.train, r.params.average
+    if cfg.cooldowns == 1:
+        return []
+    start = cooldown_start(train.max_steps, train.cooldown)
+    state = checkpoint_path(r.inputs["train"], "state", start)
+    if not state.is_file():  # a run trained before the state was kept, or extended after
+        raise TrainingFailed(
+            f"{state}: no training state at the cooldown's start (update {start}) to branch "
+            "average.cooldowns from",
+            user_error=True,
+        )
+    tracking = {**r.tracking, "run_id": r.tracking["stage_run_id"]}
+    branches = [r.out / f"cooldown-{i}" for i in range(1, cfg.cooldowns)]
+    with system_metrics(r.tracking):
+        for i, out in enumerate(branches, 1):
+            branch = ["--init-from", str(state), f"train.seed={train.seed + i}"]
+            launch(r.params_file, r.inputs["shards"], out, tracking, **limits(r.params),
+                   extra=branch)  # fmt: skip
+    return branches
+
+
+@contextlib.contextmanager
+def system_metrics(tracking: dict):
+    monitor = SystemMetricsMonitor(
+        tracking["stage_run_id"], sampling_interval=5, tracking_uri=tracking["uri"]
+    )
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
+
+
+def limits(params) -> dict:
+    pipeline = params.pipeline
+    return {
+        "nproc": pipeline.nproc_per_node or torch.cuda.device_count() or 1,
+        "timeout_s": pipeline.train_timeout_minutes * 60 or None,
+    }
+
+
+def command(
+    params_file: Path, shards: Path, out: Path, nproc: int, extra: Sequence[str] = ()
+) -> list[str]:
     """One process: plain python, no rendezvous, no port. Several: torchrun with its
     stores on the loopback interface only (tasks/torchrun.py). Either way the trainer
-    saves and stops if this process dies."""
+    saves and stops if this process dies. `extra`: the trainer's further arguments."""
     worker = ["-m", "tasks.train_worker", str(params_file), "--data", str(shards),
-              "--out", str(out), "--no-timestamps", "--die-with-parent"]  # fmt: skip
+              "--out", str(out), "--no-timestamps", "--die-with-parent", *extra]  # fmt: skip
     if nproc == 1:
         return [sys.executable, *worker]
     return [sys.executable, "-m", "tasks.torchrun", "--nnodes", "1",
@@ -79,7 +116,13 @@ def command(params_file: Path, shards: Path, out: Path, nproc: int) -> list[str]
 
 
 def launch(
-    params_file: Path, shards: Path, out: Path, tracking: dict, nproc: int, timeout_s
+    params_file: Path,
+    shards: Path,
+    out: Path,
+    tracking: dict,
+    nproc: int,
+    timeout_s: float | None,
+    extra: Sequence[str] = (),
 ) -> None:
     """Run the trainer to completion, following its log; raise with its tail on failure.
 
@@ -87,7 +130,7 @@ def launch(
     process: if this process dies, the trainer still has somewhere to write while it saves
     (a pipe would break under it), and it stops on its own (--die-with-parent)."""
     log = get_run_logger()
-    cmd = command(params_file, shards, out, nproc)
+    cmd = command(params_file, shards, out, nproc, extra)
     # The trainer finds the pipeline's MLflow run through the environment (rank 0 logs).
     env = dict(os.environ, MLFLOW_RUN_ID=tracking["run_id"], MLFLOW_TRACKING_URI=tracking["uri"],
                PYTHONUNBUFFERED="1")  # fmt: skip

@@ -3,6 +3,8 @@ that `translate` loads."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -104,6 +106,14 @@ def test_cli_takes_a_run_folder_or_files(run_dir, tmp_path, capsys):
     assert ckpt.load_model_file(tmp_path / "b.pt").meta["steps"] == [4, 6]
     assert main([str(run_dir), "--best", "1", "--out", str(tmp_path / "best.pt")]) == 0
     assert len(ckpt.load_model_file(tmp_path / "best.pt").meta["steps"]) == 1
+    # Several run folders (a run, then its further cooldowns): the same selection in each.
+    branch = shutil.copytree(run_dir, tmp_path / "branch")
+    assert main([str(run_dir), str(branch), "--last", "2", "--out", str(tmp_path / "s.pt")]) == 0
+    soup = ckpt.load_model_file(tmp_path / "s.pt")
+    assert soup.meta["averaged_from"] == [f"{d}/model-000000{s}.pt" for d in ("run", "branch")
+                                          for s in (4, 6)]  # fmt: skip
+    alone = ckpt.load_model_file(tmp_path / "b.pt").model
+    assert all(torch.allclose(soup.model[k], alone[k]) for k in alone)
     files = [str(p) for p in ckpt.list_files(run_dir, "model")[:2]]
     assert main([*files, "--out", str(tmp_path / "c.pt")]) == 0
     assert ckpt.load_model_file(tmp_path / "c.pt").meta["steps"] == [2, 4]

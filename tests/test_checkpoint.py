@@ -95,6 +95,16 @@ def test_training_states_keep_the_newest_two_and_skip_an_unreadable_one(tmp_path
         m.load_latest()
 
 
+def test_the_state_at_the_cooldowns_start_is_kept_for_further_cooldowns(tmp_path):
+    m = ckpt.CheckpointManager(tmp_path, 2, 0, False, branch_point=2)
+    for step in (1, 2, 3, 4, 5):
+        m.save_state(step, {"step": step})
+    assert [ckpt.file_step(p) for p in ckpt.list_files(tmp_path, "state")] == [2, 4, 5]
+    moved = ckpt.CheckpointManager(tmp_path, 2, 0, False, branch_point=6)  # max_steps raised
+    moved.save_state(6, {"step": 6})
+    assert [ckpt.file_step(p) for p in ckpt.list_files(tmp_path, "state")] == [5, 6]
+
+
 def test_resuming_removes_snapshots_written_after_the_state(tmp_path):
     m = _manager(tmp_path, keep_last=5)
     _snap(m, 10, 1.0)

@@ -36,6 +36,9 @@ from prefect.exceptions import ObjectNotFound
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.wmt14_ende import wmt14_ende
+from tasks.settings import load_run_params
+from tasks.stages import StageRun
+from tasks.train import TrainingFailed, train_cooldowns
 from transformer.checkpoint import load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,6 +238,33 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
     assert len(_folders(work / "train") - train_dirs) == 1
     children = {c.data.tags["stage"] for c in _children(_client(work), other["run_id"])}
     assert children == {"train", "average", "decode", "export"}
+
+
+def test_an_average_over_cooldowns_trains_them_from_the_runs_cooldown_start(first, work):
+    """average.cooldowns=2: the run keeps its state where its cooldown begins; the average
+    stage trains one more cooldown from there (train.seed + 1: other batches) in its own
+    folder, its curves in its MLflow run, and averages the last N of each: a model soup."""
+    params = [*TINY_FLOW, "train.cooldown=0.5", "average.cooldowns=2"]
+    result = wmt14_ende(SMOKE, params, str(work), return_state=True).result()
+    branch = Path(result["model"]).parent / "cooldown-1"
+    log = (branch / "train.log").read_text()
+    assert "state-0000020.pt at step 20" in log and "train.seed: 1 in checkpoint, 2 now" in log
+    averaged = load_model_file(result["model"]).meta["averaged_from"]
+    assert [name.split("/")[1] for name in averaged] == ["model-0000030.pt", "model-0000040.pt"] * 2
+    assert [name.split("/")[0] for name in averaged][2:] == ["cooldown-1"] * 2
+    client = _client(work)
+    stages = {c.data.tags["stage"]: c for c in _children(client, result["run_id"])}
+    assert len(client.get_metric_history(stages["average"].info.run_id, "train/loss")) >= 2
+
+
+def test_an_average_over_cooldowns_needs_the_state_where_they_begin(tmp_path):
+    params = load_run_params(SMOKE, [*TINY_FLOW, "train.cooldown=0.5", "average.cooldowns=2"])
+    r = StageRun(params, {"train": tmp_path, "shards": tmp_path}, tmp_path / "out",
+                 Path(SMOKE), {}, "cpu")  # fmt: skip
+    with pytest.raises(TrainingFailed, match=r"state-0000020\.pt: no training state at the "
+                       r"cooldown's start \(update 20\)") as err:  # fmt: skip
+        train_cooldowns(r)
+    assert err.value.user_error
 
 
 @pytest.mark.slow  # and ten kills at random moments in test_reliability.py

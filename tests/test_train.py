@@ -316,6 +316,29 @@ def test_a_cooldown_dropout_is_a_branch_at_the_cooldown_with_that_dropout(
     assert_same_training(final_state(moved), final_state(lowered))
 
 
+def test_the_state_where_the_cooldown_begins_is_kept_to_branch_more_cooldowns(
+    tiny_params, tiny_shards, tmp_path
+):
+    """A run with a cooldown saves and keeps its state at the cooldown's start (update 3
+    here, between checkpoints every 2): the weights of the run without a cooldown to there
+    (only the lr it would set next differs).
+    A branch from it with another train.seed is another cooldown: other batches."""
+    run, held, branch = tmp_path / "run", tmp_path / "held", tmp_path / "branch"
+    cooldown = ["train.max_steps=7", "train.cooldown=0.5"]  # ceil(3.5) = 4 annealed updates
+    assert train(tiny_params, tiny_shards, run, *cooldown) == 0
+    assert names(run, "state") == ["state-0000003.pt", "state-0000006.pt", "state-0000007.pt"]
+    assert train(tiny_params, tiny_shards, held, "train.max_steps=3") == 0
+    start = ckpt.checkpoint_path(run, "state", 3)
+    kept, plain = ckpt.load_typed(start, ckpt.STATE_FORMAT), final_state(held)
+    assert kept["progress"] == plain["progress"] and kept["data"] == plain["data"]
+    assert all(torch.equal(kept["model"][k], plain["model"][k]) for k in kept["model"])
+    assert train(tiny_params, tiny_shards, branch, *cooldown, "train.seed=2",
+                 "--init-from", str(start)) == 0  # fmt: skip
+    a, b = final_state(run), final_state(branch)
+    assert a["step"] == b["step"] == 7 and a["data"] != b["data"]
+    assert not all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
 def test_a_resumed_optimizer_steps_with_this_machines_kernels(tiny_params, tiny_shards, tmp_path):
     """A state saved where the optimizer was fused (a GPU) resumes unfused on a CPU: the
     saved param groups' flags, which load_state_dict restores, give way to this run's

@@ -1,8 +1,11 @@
 """Checkpoint averaging (paper 6.1: the last 5 checkpoints for base, the last 20 for big),
 and the export of the average as one self-contained model file.
 
-    python -m transformer.average RUN_DIR [--last N | --best N] --out model.pt
+    python -m transformer.average RUN_DIR [BRANCH_DIR...] [--last N | --best N] --out model.pt
     python -m transformer.average RUN_DIR/checkpoints/model-*.pt --out model.pt [--spm SPM]
+
+BRANCH_DIR: run folders of further cooldowns of RUN_DIR (branched with `--init-from` at its
+cooldown's start): the same selection from each, all averaged (a model soup).
 
 Exit codes: 0 written; 2 bad arguments or checkpoints (one line on stderr).
 """
@@ -60,24 +63,30 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
 
 
 def export_average(
-    run_dir: Path, cfg: AverageConfig, out: Path, max_step: int | None = None
+    run_dir: Path,
+    cfg: AverageConfig,
+    out: Path,
+    max_step: int | None = None,
+    branches: Sequence[Path] = (),
 ) -> Path:
     """Average the snapshots of `run_dir` that `cfg` selects (the last or the best
-    `last_n`, of step <= max_step) into the model file `out`, with the run's
-    sentencepiece model."""
-    paths = select_snapshots(run_dir, cfg.select, cfg.last_n, max_step)
+    `last_n`, of step <= max_step), and as many of each run folder in `branches` (further
+    cooldowns of the run: a model soup), into the model file `out`, with the run's
+    sentencepiece model and params."""
+    runs = (run_dir, *branches)
+    paths = [p for d in runs for p in select_snapshots(d, cfg.select, cfg.last_n, max_step)]
     return export_checkpoints(paths, Path(run_dir) / SPM_MODEL, out)
 
 
 def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Path:
     """Average model snapshots `paths` into a model file (see checkpoint.ModelFile);
-    params and data fingerprint are those of the last (newest) one."""
+    params and data fingerprint are those of the newest (the first of that step)."""
     infos = [load_typed(p, SNAPSHOT_FORMAT, mmap=True) for p in paths]  # the inputs first
     if not Path(spm_model).is_file():
         raise CheckpointError(f"{spm_model}: no sentencepiece model to export with the model")
-    newest = infos[-1]
+    newest = max(infos, key=lambda info: info["step"])
     meta = {
-        "averaged_from": [Path(p).name for p in paths],
+        "averaged_from": _names(paths),
         "steps": [info["step"] for info in infos],
         "step": newest["step"],
         "data_fingerprint": newest["data_fingerprint"],
@@ -87,6 +96,14 @@ def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Pat
     saved = save_model_file(out, ModelFile(newest["params"], model, spm_bytes, meta))
     log.info("wrote %s (average of steps %s)", saved, meta["steps"])
     return saved
+
+
+def _names(paths: Sequence[Path]) -> list[str]:
+    """The files' names; from several run folders, each after its folder's name."""
+    paths = [Path(p) for p in paths]
+    if len({p.parent for p in paths}) == 1:
+        return [p.name for p in paths]
+    return [f"{p.parent.parent.name}/{p.name}" for p in paths]
 
 
 def _model_of(path: Path) -> dict[str, torch.Tensor]:
@@ -140,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m transformer.average",
         description="Average checkpoints into one exported model file.",
     )
-    parser.add_argument("inputs", nargs="+", type=Path, help="a run folder, or snapshots")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        type=Path,
+        help="a run folder (then those of its further cooldowns), or snapshots",
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--last", type=_positive, help="run folder: the last N snapshots")
     which.add_argument("--best", type=_positive, help="run folder: the N best by validation")
@@ -152,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     setup_logging(is_main=True)
     try:
-        if len(args.inputs) == 1 and args.inputs[0].is_dir():
-            run_dir = args.inputs[0]
+        if all(path.is_dir() for path in args.inputs):
+            run_dir, *branches = args.inputs
             cfg = _configured(run_dir, args.last, args.best)
-            export_average(run_dir, cfg, args.out)
+            export_average(run_dir, cfg, args.out, branches=branches)
         else:
             spm_model = args.spm or args.inputs[0].resolve().parent.parent / SPM_MODEL
             export_checkpoints(args.inputs, spm_model, args.out)

@@ -6,7 +6,8 @@ with `torch.load(weights_only=True)`: no pickled code runs when a file from else
 opened. A run folder holds, under `checkpoints/`:
 
     state-NNNNNNN.pt   everything resuming needs (model, optimizer, schedule, sampler, every
-                       rank's RNG, progress, early stopping): the newest KEEP_STATES only
+                       rank's RNG, progress, early stopping): the newest KEEP_STATES, and
+                       the one at the lr cooldown's start, where more cooldowns branch off
     model-NNNNNNN.pt   model-only snapshots with their step and validation score, for
                        averaging: the last `keep_last` and the `keep_best` best
 
@@ -185,10 +186,18 @@ class CheckpointManager:
     one. Scores are the validation `best_metric`; `higher_is_better` orders them.
     """
 
-    def __init__(self, run_dir: Path, keep_last: int, keep_best: int, higher_is_better: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        keep_last: int,
+        keep_best: int,
+        higher_is_better: bool,
+        branch_point: int | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.keep_last, self.keep_best = keep_last, keep_best
         self.higher_is_better = higher_is_better
+        self.branch_point = branch_point  # the state of this step is kept too
         self.index: list[dict[str, Any]] = []  # kept snapshots, by step
 
     def state_dict(self) -> dict[str, Any]:
@@ -253,13 +262,14 @@ class CheckpointManager:
 
     def save_state(self, step: int, state: dict[str, Any]) -> Path:
         """Write the training state of `step` (with this manager's index) and keep the
-        newest KEEP_STATES."""
+        newest KEEP_STATES, and the one at `branch_point` (the cooldown's start)."""
         path = atomic_save(
             {"format": STATE_FORMAT, **state, "checkpoints": self.state_dict()},
             self.path("state", step),
         )
         for old in list_files(self.run_dir, "state")[:-KEEP_STATES]:
-            old.unlink(missing_ok=True)
+            if file_step(old) != self.branch_point:
+                old.unlink(missing_ok=True)
         return path
 
     def load_latest(self) -> tuple[Path, dict] | None:

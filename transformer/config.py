@@ -263,6 +263,11 @@ class TrainConfig(Section):
 class AverageConfig(Section):
     last_n: int = Field(5, ge=1)  # paper: last 5 checkpoints (base), last 20 (big)
     select: Literal["last", "best"] = "last"  # the last N snapshots, or the N best
+    # Cooldowns to average over (a model soup; Wortsman et al. 2022): 1, the run's own; k,
+    # also k - 1 more, each a branch of the run from its state at the cooldown's start with
+    # train.seed + i (another batch order), N snapshots from each. Each costs the cooldown's
+    # updates again.
+    cooldowns: int = added(1, ge=1)
 
 
 class DecodeConfig(Section):
@@ -328,6 +333,8 @@ class Params(Section):
         if self.train.cooldown_dropout == self.model.dropout:  # a no-op that renames the run
             raise ValueError(f"train.cooldown_dropout: {self.train.cooldown_dropout} is "
                              "model.dropout already; leave it null")  # fmt: skip
+        if self.average.cooldowns > 1 and not self.train.cooldown:
+            raise ValueError("average.cooldowns: more than 1 needs a cooldown (train.cooldown > 0)")
         kept = self.train.keep_last if self.average.select == "last" else self.train.keep_best
         if self.average.last_n > kept:
             which = f"keep_{self.average.select}"

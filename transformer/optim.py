@@ -46,6 +46,13 @@ def in_cooldown(step: int, max_steps: int, cooldown: float) -> bool:
     return window > 0 and step > max_steps - window
 
 
+def cooldown_start(max_steps: int, cooldown: float) -> int | None:
+    """The last update before the cooldown (its held-lr state is where further cooldowns
+    branch from), or None with no cooldown."""
+    window = math.ceil(cooldown * max_steps)
+    return max_steps - window if window > 0 else None
+
+
 def build_optimizer(
     model: nn.Module, cfg: TrainConfig, d_model: int
 ) -> tuple[torch.optim.Adam, LambdaLR]:

@@ -80,6 +80,7 @@ from transformer.model import Transformer
 from transformer.optim import (
     build_optimizer,
     clip_gradients,
+    cooldown_start,
     in_cooldown,
     resync_lr,
     with_these_kernels,
@@ -160,8 +161,9 @@ class Trainer:
         self.progress = Progress()
         self.stopping = EarlyStopping(cfg.best_metric, cfg.patience)
         self.checkpoints = CheckpointManager(
-            run_dir, cfg.keep_last, cfg.keep_best, self.stopping.higher_is_better
-        )
+            run_dir, cfg.keep_last, cfg.keep_best, self.stopping.higher_is_better,
+            branch_point=cooldown_start(cfg.max_steps, cfg.cooldown),
+        )  # fmt: skip
         self.parts = {
             "model": self.model,
             "optimizer": self.optimizer,
@@ -373,6 +375,8 @@ class Trainer:
         due = step % cfg.save_every == 0 or self.finished
         if due or (improved and cfg.keep_best > 0):
             self.save(score, full=due)
+        if step == self.checkpoints.branch_point and not due:  # kept for more cooldowns
+            self.save_state()
 
     def save_and_stop(self, stop: StopSignal) -> int:
         if self.saved_step != self.progress.step:
@@ -431,9 +435,10 @@ class Trainer:
                  "padding counted); the loss is normalised by its real target tokens",
                  env.world_size, self.update_freq, micro, cfg.batch_tokens)  # fmt: skip
         # fp32 weights; a training state adds Adam's two moments. One more of each while a
-        # new file is written beside the one it replaces.
+        # new file is written beside the one it replaces, and the cooldown's first state.
         model_gb = n_params * 4 / 1e9
-        states, snapshots = KEEP_STATES + 1, cfg.keep_last + cfg.keep_best + 1
+        branch = self.checkpoints.branch_point is not None
+        states, snapshots = KEEP_STATES + 1 + branch, cfg.keep_last + cfg.keep_best + 1
         need = states * 3 * model_gb + snapshots * model_gb
         free = shutil.disk_usage(self.run_dir).free / 1e9
         log.info("disk: up to %.1f GB in %s (%d training states of %.2f GB, %d snapshots "
