@@ -39,18 +39,18 @@ def cooldown_factor(step: int, max_steps: int, cooldown: float, shape: str = "li
     return 1.0 - math.sqrt(1.0 - left) if shape == "1-sqrt" else left
 
 
-def in_cooldown(step: int, max_steps: int, cooldown: float) -> bool:
-    """Whether update `step` (counted from 1) is in the last `cooldown` fraction of
-    `max_steps`: ceil(cooldown * max_steps) updates, none with no cooldown."""
-    window = math.ceil(cooldown * max_steps)
-    return window > 0 and step > max_steps - window
-
-
 def cooldown_start(max_steps: int, cooldown: float) -> int | None:
-    """The last update before the cooldown (its held-lr state is where further cooldowns
+    """The last update before the cooldown, the last `cooldown` fraction of `max_steps`
+    (ceil(cooldown * max_steps) updates; its held-lr state is where further cooldowns
     branch from), or None with no cooldown."""
     window = math.ceil(cooldown * max_steps)
     return max_steps - window if window > 0 else None
+
+
+def in_cooldown(step: int, max_steps: int, cooldown: float) -> bool:
+    """Whether update `step` (counted from 1) is in the cooldown."""
+    start = cooldown_start(max_steps, cooldown)
+    return start is not None and step > start
 
 
 def build_optimizer(
