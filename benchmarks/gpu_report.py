@@ -303,6 +303,7 @@ def versions_table(device: torch.device) -> dict[str, str]:
         "CUDA (torch built with)": str(torch.version.cuda),
         "cuDNN": str(torch.backends.cudnn.version()),
         "device": device_name(device),
+        "host CPU": host_cpu(),  # beam search is host-bound: its speed follows the host's
         "CPU cores": str(len(os.sched_getaffinity(0))),
         "torch threads": str(torch.get_num_threads()),
         "commit": git_commit(),
@@ -318,6 +319,15 @@ def versions_table(device: torch.device) -> dict[str, str]:
     for var in sorted(v for v in os.environ if v.startswith("TORCH_CUDNN_SDPA")):
         out[var] = os.environ[var]
     return out
+
+
+def host_cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    found = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE)
+    return found.group(1).strip() if found else platform.processor() or "unknown"
 
 
 def package_version(name: str) -> str:
@@ -1126,6 +1136,8 @@ def main(argv: list[str] | None = None) -> int:
         run = Run(device, plan, Path(work), args.budget, threads=1 if args.tiny else 0)
         sections = {}
         for title, fn in SECTIONS.items():
+            if args.only and title not in args.only:
+                continue
             sections[title] = run_section(fn, run)
             # Written after each section: a run stopped from outside (a time limit) still
             # leaves the sections it finished.
@@ -1169,6 +1181,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=float,
         default=480.0,
         help="seconds after which no section starts (default 480: for a run of under 9 minutes)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=list(SECTIONS),
+        metavar="SECTION",
+        help="run this section alone (repeatable; quote titles with spaces): one a short "
+        "machine lease could not reach, with the whole budget. Default: all, in order",
     )
     args = p.parse_args(argv)
     if args.device == "cuda" and not cuda:

@@ -96,6 +96,8 @@ def test_the_tiny_cpu_report_writes_every_section(tiny_report):
 
 def test_each_section_measures_what_it_names(tiny_report):
     sections = json.loads((tiny_report[0] / "report.json").read_text())["sections"]
+    versions = {r["item"]: r["value"] for r in sections["environment"]["tables"]["versions"]}
+    assert versions["host CPU"] not in ("", "unknown")  # host-bound decoding follows it
     backends = sections["environment"]["tables"]["attention backends"]
     assert len({r["call"] for r in backends}) == 4
     ran = [r for r in backends if "status" not in r]  # math at least, for every call kind
@@ -133,6 +135,20 @@ def test_the_report_runs_where_the_gpu_image_lacks_packages(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import transformer"], env=env, cwd=tmp_path,
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 1 and "No module named 'transformer'" in done.stderr
+
+
+def test_only_runs_the_sections_it_names(tmp_path):
+    """What a short lease uses to give one section (the compiled loop, say) all its time."""
+    out = tmp_path / "report"
+    done = report("--device", "cpu", "--tiny", "--out", str(out), "--only", "checkpoint")
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((out / "report.json").read_text())
+    assert list(data["sections"]) == ["checkpoint"] and data["complete"]
+    assert data["sections"]["checkpoint"]["tables"][""][0]["GB"] > 0
+    assert {t["result"] for t in data["targets"]} <= {"not measured (see its section)",
+                                                      "not judged: --tiny sizes"}  # fmt: skip
+    done = report("--device", "cpu", "--only", "train loop compiled")  # the comma is missing
+    assert done.returncode == 2 and "invalid choice: 'train loop compiled'" in done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a CUDA device that is absent")
