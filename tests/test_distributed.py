@@ -3,6 +3,7 @@ process accumulating the same two micro-batches."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -15,7 +16,15 @@ import torch
 from conftest import assert_same_training, assert_same_updates
 
 from transformer import checkpoint as ckpt
-from transformer.distributed import all_gather_objects, all_reduce_sum, init_distributed
+from transformer.config import ModelConfig
+from transformer.distributed import (
+    DistEnv,
+    all_gather_objects,
+    all_reduce_sum,
+    distribute,
+    init_distributed,
+)
+from transformer.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 # 2 CPU ranks (gloo) on any host: on a CUDA host with one GPU, rank 1 would ask for cuda:1.
@@ -85,6 +94,27 @@ def test_two_ranks_equal_one_rank_accumulating_two_batches(tiny_params, tiny_sha
     )
     assert "train.cooldown: 0.0 in checkpoint, 0.5 now" in branch and "step 5/5" in branch
     assert_same_training(_final(tmp_path / "b"), _final(tmp_path / "in_place"))
+
+
+def test_a_first_batch_of_equal_lengths_does_not_cost_a_second_graph(monkeypatch):
+    """With length buckets a batch's source and target lengths are often equal. Traced on
+    such a batch, duck shaping would tie the two lengths together, and the next batch
+    would compile again: the third H200 report's compiled cases spent their time so."""
+    from torch._dynamo.utils import counters
+
+    # Dynamo decides the graphs; its eager backend saves compiling them.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", True)  # torch's
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = ModelConfig(n_layers=1, d_model=16, d_ff=32, n_heads=2, dropout=0.0)
+    model = Transformer(cfg, vocab_size=50, pad_id=0)
+    net = distribute(model, DistEnv(0, 1, 0, torch.device("cpu")), compile=True)
+    g = torch.Generator().manual_seed(0)
+    for rows, src_len, tgt_len in [(3, 7, 7), (4, 9, 5), (2, 6, 11), (5, 12, 12), (3, 4, 8)]:
+        src = torch.randint(4, 50, (rows, src_len), generator=g)
+        net(src, torch.randint(4, 50, (rows, tgt_len), generator=g), project=False).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 @pytest.mark.slow

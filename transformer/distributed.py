@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.fx.experimental import _config as fx_config  # private: the only switch for duck shaping
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -112,5 +113,10 @@ def distribute(model: nn.Module, env: DistEnv, compile: bool) -> nn.Module:
         net = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     if compile:
         # dynamic=True: one graph for every (batch, length) shape instead of one per shape.
+        # Without duck shaping: else sizes equal in the first batch (source and target
+        # lengths, often, with length buckets) become one symbol, and the next batch compiles
+        # the graph again (minutes for base or big on a GPU). Process-wide, as it is read
+        # when dynamo traces.
+        fx_config.use_duck_shape = False
         net = torch.compile(net, dynamic=True)
     return net
