@@ -99,7 +99,7 @@ def test_two_ranks_equal_one_rank_accumulating_two_batches(tiny_params, tiny_sha
 def test_a_first_batch_of_equal_lengths_does_not_cost_a_second_graph(monkeypatch):
     """With length buckets a batch's source and target lengths are often equal. Traced on
     such a batch, duck shaping would tie the two lengths together, and the next batch
-    would compile again: the third H200 report's compiled cases spent their time so."""
+    would compile again (as base's layers did on a CPU, each compilation taking minutes)."""
     from torch._dynamo.utils import counters
 
     # Dynamo decides the graphs; its eager backend saves compiling them.
