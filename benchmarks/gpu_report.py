@@ -303,7 +303,7 @@ def versions_table(device: torch.device) -> dict[str, str]:
         "CUDA (torch built with)": str(torch.version.cuda),
         "cuDNN": str(torch.backends.cudnn.version()),
         "device": device_name(device),
-        "host CPU": host_cpu(),  # beam search is host-bound: its speed follows the host's
+        "host CPU": cpu_model(),  # beam search is host-bound: its speed follows the host's
         "CPU cores": str(len(os.sched_getaffinity(0))),
         "torch threads": str(torch.get_num_threads()),
         "commit": git_commit(),
@@ -321,15 +321,6 @@ def versions_table(device: torch.device) -> dict[str, str]:
     return out
 
 
-def host_cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    found = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE)
-    return found.group(1).strip() if found else platform.processor() or "unknown"
-
-
 def package_version(name: str) -> str:
     try:
         return version(name)
@@ -338,13 +329,15 @@ def package_version(name: str) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {cpu_model()}"
+
+
+def cpu_model() -> str:
     with contextlib.suppress(OSError):  # Linux names the CPU model here; others may not
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return "CPU " + line.split(":", 1)[1].strip()
-    return f"CPU {platform.machine()}"
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def git_commit() -> str:
