@@ -32,10 +32,10 @@ def cooldown_factor(step: int, max_steps: int, cooldown: float, shape: str = "li
     steeper at first, longer near zero), x the fraction of the window gone: a run that must
     end at a given step ends annealed (a lower loss than its inverse-sqrt lr leaves; 1-sqrt
     the lower of the two, Hagele et al. 2024)."""
-    if not in_cooldown(step, max_steps, cooldown):
+    start = cooldown_start(max_steps, cooldown)
+    if start is None or step <= start:
         return 1.0
-    window = math.ceil(cooldown * max_steps)
-    left = max(0.0, (max_steps + 1 - step) / (window + 1))  # 1 - x
+    left = max(0.0, (max_steps + 1 - step) / (max_steps - start + 1))  # 1 - x
     return 1.0 - math.sqrt(1.0 - left) if shape == "1-sqrt" else left
 
 
