@@ -1,8 +1,16 @@
 """Multi30k EN-DE sweep on one GPU: N runs of params/multi30k.yaml side by side (the flow's
 shards), each then averaged (best 5) and decoded/scored as the flow does. Re-runnable: a
 second call resumes unfinished runs (SIGTERM saves them) and scores finished ones.
-python3 .m30k/sweep.py OUT WINDOW_S [ADAPT]"""
-import json, os, re, signal, subprocess, sys, time
+python3 .m30k/sweep.py OUT WINDOW_S [adapt]
+(Formatted for the linter after the runs; otherwise as run.)"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 OUT, WINDOW = Path(sys.argv[1]), float(sys.argv[2])  # WINDOW: seconds this call may train
@@ -12,10 +20,20 @@ ROOT = Path(".m30k")
 RUNS = ROOT / "runs"
 DEV = os.environ.get("DEV", "cuda")
 STEPS = int(os.environ.get("STEPS", "6000"))
-ARMS = {"A": [], "B": ["train.label_smoothing=0.2"], "C": ["model.dropout=0.4"], "D": ["model.dropout=0.25"], "E": ["train.label_smoothing=0.05"]}
+ARMS = {
+    "A": [],
+    "B": ["train.label_smoothing=0.2"],
+    "C": ["model.dropout=0.4"],
+    "D": ["model.dropout=0.25"],
+    "E": ["train.label_smoothing=0.05"],
+}
 ORDER = os.environ.get("ORDER", "A1 B1 A2 B2 A3 B3 C1 C2 A4 B4 C3 C4").split()
-COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}",
-          "score.tokenized_refs=.m30k/tok"] + os.environ.get("EXTRA", "").split()
+COMMON = [
+    "train.precision=fp32",
+    f"train.max_steps={STEPS}",
+    "score.tokenized_refs=.m30k/tok",
+    *os.environ.get("EXTRA", "").split(),
+]
 t0 = time.monotonic()
 OUT.mkdir(parents=True, exist_ok=True)
 RUNS.mkdir(exist_ok=True)
@@ -45,21 +63,43 @@ def finished(name):
 
 def launch(name):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "transformer.train", "params/multi30k.yaml", *overrides(name),
-           "--data", str(ROOT / "shards"), "--out", str(RUNS / name)]
-    log = open(RUNS / f"{name}.log", "a")
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformer.train",
+        "params/multi30k.yaml",
+        *overrides(name),
+        "--data",
+        str(ROOT / "shards"),
+        "--out",
+        str(RUNS / name),
+    ]
+    log = open(RUNS / f"{name}.log", "a")  # noqa: SIM115 (the child writes it while it runs)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def score_main(name):
     """Average the 5 best snapshots, decode val and test with the params' beam, score."""
     import pyarrow.parquet as pq
+
     from transformer.config import load_params
     from transformer.evaluate import score_split, tokenized_refs
     from transformer.translate import load_translator, translate_lines
+
     model = RUNS / f"{name}-avg.pt"
-    subprocess.run([sys.executable, "-m", "transformer.average", str(RUNS / name), "--best", "5",
-                    "--out", str(model)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "transformer.average",
+            str(RUNS / name),
+            "--best",
+            "5",
+            "--out",
+            str(model),
+        ],
+        check=True,
+    )
     p = load_params("params/multi30k.yaml", overrides(name))
     net, sp, _ = load_translator(model, DEV)
     row = {"run": name, "overrides": overrides(name)}
@@ -67,8 +107,13 @@ def score_main(name):
         table = pq.read_table(ROOT / "clean" / f"{role}.parquet")
         hyps = translate_lines(net, sp, table["src"].to_pylist(), p.decode, DEV)
         (RUNS / f"{name}-{role}.hyp").write_text("".join(h + "\n" for h in hyps))
-        s = score_split(hyps, table["tgt"].to_pylist(), p.score, p.data.tgt_lang,
-                        tokenized_refs(p.score, p.data, role))
+        s = score_split(
+            hyps,
+            table["tgt"].to_pylist(),
+            p.score,
+            p.data.tgt_lang,
+            tokenized_refs(p.score, p.data, role),
+        )
         row.update({f"{role}_{k}": v for k, v in s.items() if isinstance(v, (int, float))})
     (OUT / f"{name}.json").write_text(json.dumps(row))
     say("SCORED", json.dumps(row))
@@ -79,7 +124,9 @@ scorers = []
 
 def score(name):
     if not (OUT / f"{name}.json").exists():
-        scorers.append(subprocess.Popen([sys.executable, sys.argv[0], str(OUT), "0", "--score", name]))
+        scorers.append(
+            subprocess.Popen([sys.executable, sys.argv[0], str(OUT), "0", "--score", name])
+        )
 
 
 if sys.argv[3:4] == ["--score"]:
@@ -106,7 +153,9 @@ while procs and time.monotonic() - t0 < WINDOW:
     if el < 60:  # rates from t=60 s: past the start-up of all the processes at once
         first = {n: (time.monotonic(), step_of(n)) for n in procs}
     rates = {n: (step_of(n) - first[n][1]) / (time.monotonic() - first[n][0]) for n in procs}
-    say("steps", {n: step_of(n) for n in procs}, "upd/s", {n: round(r, 2) for n, r in rates.items()})
+    say(
+        "steps", {n: step_of(n) for n in procs}, "upd/s", {n: round(r, 2) for n, r in rates.items()}
+    )
     if not adapted and el > 150:
         # project: all procs share the GPU; dropping runs speeds the others roughly in proportion
         while procs:
@@ -124,7 +173,7 @@ while procs and time.monotonic() - t0 < WINDOW:
                 rates[n] *= (k + 1) / k if k else 1
             say("DROP", victim, f"need {need:.0f}s > left {left:.0f}s")
         adapted = True
-for n, p in procs.items():
+for p in procs.values():
     p.send_signal(signal.SIGTERM)
 for n, p in procs.items():
     p.wait()
