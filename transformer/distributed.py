@@ -115,7 +115,7 @@ def distribute(model: nn.Module, env: DistEnv, compile: bool) -> nn.Module:
         # dynamic=True: one graph for every (batch, length) shape instead of one per shape.
         # Without duck shaping: else sizes equal in the first batch (source and target
         # lengths, often, with length buckets) become one symbol, and the next batch compiles
-        # the graph again (minutes for base or big on a GPU). Process-wide, as it is read
+        # the graph again (minutes for base's layers on a CPU). Process-wide, as it is read
         # when dynamo traces.
         fx_config.use_duck_shape = False
         net = torch.compile(net, dynamic=True)
