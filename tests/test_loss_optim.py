@@ -51,6 +51,31 @@ def test_fused_loss_equals_cross_entropy_over_the_full_logits(eps, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_rdrop_loss_equals_fairseqs_objective_halved(eps, monkeypatch):
+    """Two passes (2, N, D): the mean of their smoothed losses plus alpha / 4 times the
+    symmetric KL, written out as fairseq's label_smoothed_cross_entropy_with_rdrop does
+    (F.kl_div both ways, halved), over several chunks; gradients of both passes alike."""
+    monkeypatch.setitem(loss_module.CHUNK_LOGITS, "cpu", 2 * 7 * 11)  # 7 rows a chunk
+    torch.manual_seed(0)
+    hidden = (torch.randn(2, 30, 8) * 2).requires_grad_()
+    weight = torch.randn(11, 8).requires_grad_()
+    target = torch.randint(0, 11, (30,))
+    loss, nll = label_smoothed_loss(hidden, weight, target, eps, rdrop_alpha=5.0)
+    logits = hidden @ weight.t()
+    lp, lq = F.log_softmax(logits, dim=-1).unbind()
+    smoothed = [F.cross_entropy(z, target, label_smoothing=eps, reduction="sum") for z in logits]
+    kl = (F.kl_div(lp, lq.exp(), reduction="sum") + F.kl_div(lq, lp.exp(), reduction="sum")) / 2
+    expected = (sum(smoothed) + 5.0 * kl) / 2
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    mean_nll = sum(F.cross_entropy(z, target, reduction="sum") for z in logits) / 2
+    torch.testing.assert_close(nll, mean_nll, rtol=1e-5, atol=0)
+    got = torch.autograd.grad(loss * 3.0, [hidden, weight])
+    want = torch.autograd.grad(expected * 3.0, [hidden, weight])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+
 def test_fused_loss_under_no_grad_computes_no_gradient(monkeypatch):
     """Validation's loss: the same sums, one product per chunk instead of three (the
     gradient's two are skipped although the weights require grad)."""

@@ -232,6 +232,12 @@ class TrainConfig(Section):
     adam_eps: float = Field(1e-9, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    # R-Drop (Liang et al., 2021): each batch goes through the model twice, under two
+    # dropout masks, and the loss adds rdrop_alpha / 4 times the symmetric KL of the two
+    # passes' distributions (fairseq's --rdrop-alpha, its loss halved; 0: off). A step
+    # costs what a batch twice as large does: batch_tokens and max_tokens count distinct
+    # tokens, and a forward pass carries twice max_tokens.
+    rdrop_alpha: float = added(0.0, ge=0.0)
     clip_norm: float = Field(0.0, ge=0.0)  # 0 = no clipping (the paper clips nothing)
     precision: Literal["fp32", "bf16"] = "bf16"  # bf16 autocast on GPU, fp32 masters
     compile: bool = operational(False)  # torch.compile the model, dynamic shapes

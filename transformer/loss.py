@@ -29,39 +29,56 @@ CHUNK_LOGITS = {"cuda": 1 << 26, "cpu": 1 << 21}
 
 
 def label_smoothed_loss(
-    hidden: Tensor, weight: Tensor, target: Tensor, eps: float
+    hidden: Tensor, weight: Tensor, target: Tensor, eps: float, rdrop_alpha: float = 0.0
 ) -> tuple[Tensor, Tensor]:
     """(sum of the label-smoothed loss, sum of the NLL) over the rows of `hidden`.
 
     hidden (N, D): the decoder's output at the target positions that count (no padding);
     weight (V, D): the pre-softmax projection; target (N,). Under autocast the projection
     runs in the autocast dtype and the softmax in fp32. The NLL carries no gradient.
+
+    R-Drop (Liang et al., 2021): hidden (2, N, D), two passes of the same rows under two
+    dropout masks. Both sums are then the two passes' mean, and the loss adds rdrop_alpha / 4
+    times their symmetric KL, sum_v (p1 - p2)(log p1 - log p2), through both passes: fairseq's
+    label_smoothed_cross_entropy_with_rdrop halved, to stay a loss per target token (Adam
+    does not see the scale).
     """
     # Grad mode read here: forward() runs with it off, and needs_input_grad stays True under
     # no_grad (validation would compute, and throw away, two more products per chunk).
-    return _FusedProjectionLoss.apply(hidden, weight, target, eps, torch.is_grad_enabled())
+    return _FusedProjectionLoss.apply(
+        hidden, weight, target, eps, rdrop_alpha, torch.is_grad_enabled()
+    )
 
 
 class _FusedProjectionLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, eps: float, grad_mode: bool):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, target: Tensor, eps: float, alpha: float,
+        grad_mode: bool,
+    ):  # fmt: skip
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         grad = grad_mode and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         with torch.autocast(device, enabled=False):
-            h = hidden if dtype is None else hidden.to(dtype)  # (N, D)
+            h = hidden if dtype is None else hidden.to(dtype)  # (N, D), or (2, N, D): R-Drop
             w = weight if dtype is None else weight.to(dtype)  # (V, D)
+            passes = h.unsqueeze(0) if h.dim() == 2 else h  # (P, N, D)
             sums = torch.zeros(2, device=hidden.device)  # loss, nll
-            grad_h = torch.empty_like(hidden) if grad else None
+            grad_h = torch.empty_like(passes, dtype=hidden.dtype) if grad else None
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if grad else None
-            chunk = max(1, CHUNK_LOGITS.get(device, 1 << 26) // weight.size(0))
-            for start in range(0, h.size(0), chunk):
+            chunk = max(1, CHUNK_LOGITS.get(device, 1 << 26) // (weight.size(0) * len(passes)))
+            for start in range(0, passes.size(1), chunk):
                 rows = slice(start, start + chunk)
-                dz = _chunk(h[rows], w, target[rows], eps, sums)
-                if grad:
-                    dz = dz.to(h.dtype)  # (c, V)
-                    grad_h[rows] = linear(dz, w.t())  # dz @ w: (c, D)
-                    grad_w += linear(h[rows].t(), dz.t()).t().float()  # dz^T @ h: (V, D)
+                if len(passes) == 1:
+                    dzs = [_chunk(passes[0, rows], w, target[rows], eps, sums)]
+                else:
+                    dzs = _rdrop_chunk(passes[:, rows], w, target[rows], eps, alpha, sums)
+                for i, dz in enumerate(dzs):
+                    if grad:
+                        dz = dz.to(h.dtype)  # (c, V)
+                        grad_h[i, rows] = linear(dz, w.t())  # dz @ w: (c, D)
+                        grad_w += linear(passes[i, rows].t(), dz.t()).t().float()  # (V, D)
+            grad_h = grad_h.view_as(hidden) if grad else None
         loss, nll = sums.unbind()
         ctx.mark_non_differentiable(nll)
         if grad:
@@ -71,16 +88,24 @@ class _FusedProjectionLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
 
 
 def _chunk(h: Tensor, w: Tensor, target: Tensor, eps: float, sums: Tensor) -> Tensor:
-    """Adds this chunk's loss and NLL to `sums`; returns d(loss)/d(logits) (c, V), fp32.
+    """Adds this chunk's loss and NLL to `sums`; returns d(loss)/d(logits) (c, V), fp32."""
+    p, _ = _softmax(linear(h, w).float(), target, eps, sums)
+    return _smoothed_grad(p, target, eps)
 
-    From the logits z, in place: -log p_y = lse - z_y and mean_v(-log p_v) = lse - mean(z),
-    with lse = m + log sum exp(z - m); the softmax is exp(z - m) / sum. No log-softmax is
+
+def _softmax(
+    z: Tensor, target: Tensor, eps: float, sums: Tensor, weight: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Adds `weight` times the loss and NLL of the logits z (c, V) to `sums`; returns the
+    softmax, in z's memory, and the log-normaliser lse (c,).
+
+    In place: -log p_y = lse - z_y and mean_v(-log p_v) = lse - mean(z), with
+    lse = m + log sum exp(z - m); the softmax is exp(z - m) / sum. No log-softmax is
     materialised: on a CPU, the passes over a chunk with one took 1.4-1.8x these."""
-    z = linear(h, w).float()  # (c, V) logits
     z_y = z.gather(1, target[:, None]).squeeze(1)  # (c,)
     mean = z.mean(dim=-1)  # (c,)
     m = z.amax(dim=-1, keepdim=True)  # (c, 1)
@@ -88,8 +113,35 @@ def _chunk(h: Tensor, w: Tensor, target: Tensor, eps: float, sums: Tensor) -> Te
     total = p.sum(dim=-1, keepdim=True)  # (c, 1)
     lse = (m + total.log()).squeeze(1)  # (c,)
     nll = lse - z_y
-    sums += torch.stack([((1.0 - eps) * nll + eps * (lse - mean)).sum(), nll.sum()])
-    # d/dz of (1 - eps) * -log p_y + eps * mean_v(-log p_v) = p - (1 - eps) onehot_y - eps / V
-    dz = p.mul_(total.reciprocal_()).sub_(eps / p.size(1))
+    sums += weight * torch.stack([((1.0 - eps) * nll + eps * (lse - mean)).sum(), nll.sum()])
+    return p.mul_(total.reciprocal_()), lse
+
+
+def _smoothed_grad(p: Tensor, target: Tensor, eps: float) -> Tensor:
+    """d/dz of (1 - eps) * -log p_y + eps * mean_v(-log p_v) = p - (1 - eps) onehot_y - eps / V,
+    in p's memory."""
+    dz = p.sub_(eps / p.size(1))
     dz[torch.arange(len(target), device=dz.device), target] -= 1.0 - eps
     return dz
+
+
+def _rdrop_chunk(
+    h: Tensor, w: Tensor, target: Tensor, eps: float, alpha: float, sums: Tensor
+) -> list[Tensor]:
+    """R-Drop over a chunk of rows seen by two passes, h (2, c, D): adds the passes' mean
+    loss and NLL, and alpha / 4 times J = sum_v (p1 - p2)(log p1 - log p2), to `sums`;
+    returns d/dz1 and d/dz2. dJ/dz1 = p1 (d - E_p1[d]) + p1 - p2 with d = log p1 - log p2,
+    and dJ/dz2 the same with the passes swapped (d changes sign)."""
+    z1, z2 = linear(h[0], w).float(), linear(h[1], w).float()
+    d = z1 - z2
+    p1, lse1 = _softmax(z1, target, eps, sums, 0.5)
+    p2, lse2 = _softmax(z2, target, eps, sums, 0.5)
+    d.sub_((lse1 - lse2)[:, None])  # log p1 - log p2
+    diff = p1 - p2
+    sums[0] += alpha / 4 * (diff * d).sum()
+    g1 = p1 * (d - (p1 * d).sum(dim=-1, keepdim=True)) + diff
+    g2 = p2 * ((p2 * d).sum(dim=-1, keepdim=True) - d) - diff
+    return [
+        _smoothed_grad(p, target, eps).mul_(0.5).add_(g, alpha=alpha / 4)
+        for p, g in ((p1, g1), (p2, g2))
+    ]

@@ -327,14 +327,19 @@ class Trainer:
 
     def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed label-smoothed loss (optimised) and NLL (reported), over the non-padding
-        target positions only, from one log-softmax (loss.py)."""
+        target positions only, from one log-softmax (loss.py). With train.rdrop_alpha the
+        batch goes through twice in one forward, stacked: two dropout masks."""
+        cfg = self.cfg
+        passes = 2 if cfg.rdrop_alpha else 1
+        src, tgt_in = batch.src.repeat(passes, 1), batch.tgt_in.repeat(passes, 1)
         with self.autocast():
-            hidden = self.net(batch.src, batch.tgt_in, project=False)  # (B, T, D)
-        rows = hidden.flatten(0, 1).index_select(0, batch.tgt_positions)  # (N, D)
+            hidden = self.net(src, tgt_in, project=False)  # (P * B, T, D)
+        hidden = hidden.unflatten(0, (passes, -1)).flatten(1, 2)  # (P, B * T, D)
+        rows = hidden.index_select(1, batch.tgt_positions).squeeze(0)  # (N, D) or (2, N, D)
         targets = batch.tgt_out.flatten().index_select(0, batch.tgt_positions)  # (N,)
         with self.autocast():
             return label_smoothed_loss(
-                rows, self.model.out_proj.weight, targets, self.cfg.label_smoothing
+                rows, self.model.out_proj.weight, targets, cfg.label_smoothing, cfg.rdrop_alpha
             )
 
     def bad_step(self, result: StepResult) -> bool:
