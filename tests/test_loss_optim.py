@@ -76,6 +76,21 @@ def test_rdrop_loss_equals_fairseqs_objective_halved(eps, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
 
 
+def test_rdrop_loss_under_bf16_autocast_gives_both_passes_fp32_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 12, 8, requires_grad=True)
+    weight = torch.randn(11, 8, requires_grad=True)
+    target = torch.randint(0, 11, (12,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = label_smoothed_loss(hidden, weight, target, 0.1, rdrop_alpha=5.0)
+    assert loss.dtype == torch.float32 and loss.item() > 0
+    loss.backward()
+    assert hidden.grad.shape == (2, 12, 8) and hidden.grad.dtype == torch.float32
+    assert hidden.grad[0].abs().sum() > 0 and hidden.grad[1].abs().sum() > 0
+    with pytest.raises(ValueError, match="2, N, D"):
+        label_smoothed_loss(torch.randn(3, 12, 8), weight, target, 0.1, rdrop_alpha=5.0)
+
+
 def test_fused_loss_under_no_grad_computes_no_gradient(monkeypatch):
     """Validation's loss: the same sums, one product per chunk instead of three (the
     gradient's two are skipped although the weights require grad)."""

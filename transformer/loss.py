@@ -63,9 +63,14 @@ class _FusedProjectionLoss(torch.autograd.Function):
             h = hidden if dtype is None else hidden.to(dtype)  # (N, D), or (2, N, D): R-Drop
             w = weight if dtype is None else weight.to(dtype)  # (V, D)
             passes = h.unsqueeze(0) if h.dim() == 2 else h  # (P, N, D)
+            if len(passes) > 2:
+                raise ValueError(f"hidden: (N, D) or, for R-Drop, (2, N, D); got {tuple(h.shape)}")
             sums = torch.zeros(2, device=hidden.device)  # loss, nll
             grad_h = torch.empty_like(passes, dtype=hidden.dtype) if grad else None
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if grad else None
+            # R-Drop's passes take half the rows each: its five (c, V) tensors at a time
+            # (two softmaxes, their log-ratio, difference and one gradient) stay near the
+            # plain path's two.
             chunk = max(1, CHUNK_LOGITS.get(device, 1 << 26) // (weight.size(0) * len(passes)))
             for start in range(0, passes.size(1), chunk):
                 rows = slice(start, start + chunk)
@@ -98,9 +103,9 @@ def _chunk(h: Tensor, w: Tensor, target: Tensor, eps: float, sums: Tensor) -> Te
 
 
 def _softmax(
-    z: Tensor, target: Tensor, eps: float, sums: Tensor, weight: float = 1.0
+    z: Tensor, target: Tensor, eps: float, sums: Tensor, scale: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """Adds `weight` times the loss and NLL of the logits z (c, V) to `sums`; returns the
+    """Adds `scale` times the loss and NLL of the logits z (c, V) to `sums`; returns the
     softmax, in z's memory, and the log-normaliser lse (c,).
 
     In place: -log p_y = lse - z_y and mean_v(-log p_v) = lse - mean(z), with
@@ -113,7 +118,7 @@ def _softmax(
     total = p.sum(dim=-1, keepdim=True)  # (c, 1)
     lse = (m + total.log()).squeeze(1)  # (c,)
     nll = lse - z_y
-    sums += weight * torch.stack([((1.0 - eps) * nll + eps * (lse - mean)).sum(), nll.sum()])
+    sums += scale * torch.stack([((1.0 - eps) * nll + eps * (lse - mean)).sum(), nll.sum()])
     return p.mul_(total.reciprocal_()), lse
 
 
@@ -138,9 +143,11 @@ def _rdrop_chunk(
     p2, lse2 = _softmax(z2, target, eps, sums, 0.5)
     d.sub_((lse1 - lse2)[:, None])  # log p1 - log p2
     diff = p1 - p2
-    sums[0] += alpha / 4 * (diff * d).sum()
-    g1 = p1 * (d - (p1 * d).sum(dim=-1, keepdim=True)) + diff
-    g2 = p2 * ((p2 * d).sum(dim=-1, keepdim=True) - d) - diff
+    sums[0] += alpha / 4 * torch.dot(diff.flatten(), d.flatten())
+    # Row-wise E_p[d] as (c, 1, V) @ (c, V, 1): no (c, V) temporary.
+    e1, e2 = (torch.bmm(p[:, None], d[:, :, None]).squeeze(2) for p in (p1, p2))
+    g1 = d.sub(e1).mul_(p1).add_(diff)
+    g2 = d.sub_(e2).mul_(p2).add_(diff).neg_()  # in d's memory
     return [
         _smoothed_grad(p, target, eps).mul_(0.5).add_(g, alpha=alpha / 4)
         for p, g in ((p1, g1), (p2, g2))

@@ -331,7 +331,9 @@ class Trainer:
         batch goes through twice in one forward, stacked: two dropout masks."""
         cfg = self.cfg
         passes = 2 if cfg.rdrop_alpha else 1
-        src, tgt_in = batch.src.repeat(passes, 1), batch.tgt_in.repeat(passes, 1)
+        src, tgt_in = batch.src, batch.tgt_in
+        if passes == 2:
+            src, tgt_in = src.repeat(2, 1), tgt_in.repeat(2, 1)
         with self.autocast():
             hidden = self.net(src, tgt_in, project=False)  # (P * B, T, D)
         hidden = hidden.unflatten(0, (passes, -1)).flatten(1, 2)  # (P, B * T, D)
@@ -439,6 +441,10 @@ class Trainer:
         log.info("an update: %d rank(s) x %d micro-batch(es) of <= %d tokens (batch_tokens %d, "
                  "padding counted); the loss is normalised by its real target tokens",
                  env.world_size, self.update_freq, micro, cfg.batch_tokens)  # fmt: skip
+        if cfg.rdrop_alpha:
+            log.info("R-Drop (train.rdrop_alpha %g): each micro-batch goes through the "
+                     "model twice, stacked: up to %d tokens a forward pass",
+                     cfg.rdrop_alpha, 2 * micro)  # fmt: skip
         # fp32 weights; a training state adds Adam's two moments. One more of each while a
         # new file is written beside the one it replaces, and the cooldown's first state.
         model_gb = n_params * 4 / 1e9
