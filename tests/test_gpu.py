@@ -110,13 +110,16 @@ class Records:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_bf16_training_step_is_finite_and_close_to_fp32(tiny_params, tiny_shards, tmp_path):
+@pytest.mark.parametrize("rdrop_alpha", ["0", "5"])  # 5: R-Drop's stacked passes, its fused KL
+def test_a_bf16_training_step_is_finite_and_close_to_fp32(
+    tiny_params, tiny_shards, tmp_path, rdrop_alpha
+):
     losses = {}
     for precision in ("fp32", "bf16"):
         records = Records()
         argv = [str(tiny_params), "--data", str(tiny_shards), "--out", str(tmp_path / precision),
                 "model.dropout=0.0", "train.max_steps=4", "train.log_every=1",
-                f"train.precision={precision}"]  # fmt: skip
+                f"train.precision={precision}", f"train.rdrop_alpha={rdrop_alpha}"]  # fmt: skip
         with attention.attention_context("cuda"):
             assert train_main(argv, logger=records) == 0
         losses[precision] = [m["train/loss"] for m in records.train]
