@@ -84,6 +84,12 @@ def test_rdrop_loss_under_bf16_autocast_gives_both_passes_fp32_gradients():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _ = label_smoothed_loss(hidden, weight, target, 0.1, rdrop_alpha=5.0)
     assert loss.dtype == torch.float32 and loss.item() > 0
+    # The projection in bf16, the softmaxes and their KL in fp32.
+    logits = (hidden.bfloat16() @ weight.bfloat16().t()).float()
+    lp, lq = F.log_softmax(logits, dim=-1).unbind()
+    smoothed = sum(F.cross_entropy(z, target, label_smoothing=0.1, reduction="sum") for z in logits)
+    kl = (F.kl_div(lp, lq.exp(), reduction="sum") + F.kl_div(lq, lp.exp(), reduction="sum")) / 2
+    torch.testing.assert_close(loss, (smoothed + 5.0 * kl) / 2, rtol=1e-5, atol=0)
     loss.backward()
     assert hidden.grad.shape == (2, 12, 8) and hidden.grad.dtype == torch.float32
     assert hidden.grad[0].abs().sum() > 0 and hidden.grad[1].abs().sum() > 0

@@ -323,23 +323,23 @@ def test_rdrop_compares_two_dropout_passes_and_without_dropout_is_plain_training
     (without label smoothing, the logged loss is the NLL plus alpha / 4 times it); without
     dropout the passes agree, the KL is 0 and the run is the plain run, to rounding (the
     stacked batch sums its gradients in another order)."""
-    logger = ListLogger()
-    rdrop = ["train.label_smoothing=0", "train.rdrop_alpha=5"]
-    assert train(tiny_params, tiny_shards, tmp_path / "rdrop", *rdrop, logger=logger) == 0
-    logged = [m for _, m in logger.records if "train/loss" in m]
-    assert len(logged) == 4 and all(m["train/loss"] > m["train/nll_loss"] + 1e-3 for m in logged)
-    no_dropout = ["model.dropout=0", "train.label_smoothing=0"]
-    agree, plain = ListLogger(), ListLogger()
-    assert train(tiny_params, tiny_shards, tmp_path / "agree", *rdrop, "model.dropout=0",
-                 logger=agree) == 0  # fmt: skip
-    assert train(tiny_params, tiny_shards, tmp_path / "plain", *no_dropout, logger=plain) == 0
+
+    def losses(name: str, *overrides: str) -> list[tuple[float, float]]:
+        """(train/loss, train/nll_loss) at each log of a run without label smoothing."""
+        logger = ListLogger()
+        assert train(tiny_params, tiny_shards, tmp_path / name, "train.label_smoothing=0",
+                     *overrides, logger=logger) == 0  # fmt: skip
+        return [(m["train/loss"], m["train/nll_loss"]) for _, m in logger.records
+                if "train/loss" in m]  # fmt: skip
+
+    rdrop = losses("rdrop", "train.rdrop_alpha=5")
+    assert len(rdrop) == 4 and all(loss > nll + 1e-3 for loss, nll in rdrop)
+    agree = losses("agree", "train.rdrop_alpha=5", "model.dropout=0")
+    plain = losses("plain", "model.dropout=0")
+    assert len(agree) == 4 and all(loss == pytest.approx(nll, rel=1e-6) for loss, nll in agree)
     # Losses, not weights: Adam turns the rounding noise of a gradient that is 0 in exact
     # arithmetic (the key projection's bias: softmax ignores a constant) into full steps.
-    losses = [[(m["train/loss"], m["train/nll_loss"]) for _, m in run.records
-               if "train/loss" in m] for run in (agree, plain)]  # fmt: skip
-    assert len(losses[0]) == 4 and all(loss == pytest.approx(nll, rel=1e-6)
-                                       for loss, nll in losses[0])  # fmt: skip
-    assert [loss for loss, _ in losses[0]] == pytest.approx([x for x, _ in losses[1]], rel=1e-4)
+    assert [loss for loss, _ in agree] == pytest.approx([loss for loss, _ in plain], rel=1e-4)
 
 
 def test_the_state_where_the_cooldown_begins_is_kept_to_branch_more_cooldowns(

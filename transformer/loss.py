@@ -4,7 +4,8 @@ The pre-softmax layer is the largest tensor of a step: (target tokens x vocabula
 37k columns for WMT14. Materialised in fp32 with its log-softmax and the gradient, it costs
 ~80 bytes a logit (~3 GB at 4k tokens, ~24 GB at 32k). Here the projection, one softmax
 and the gradient are computed chunk by chunk, over the non-padding positions only: at most
-one chunk of logits exists at a time, and the loss (what is optimised) and the NLL (what is
+one chunk of logits exists at a time (R-Drop: two passes of half a chunk each, and three more
+tensors of their size), and the loss (what is optimised) and the NLL (what is
 reported) come from the same log-normaliser. The gradient is computed in the forward pass and
 kept (as Liger's fused linear cross-entropy does), so backward is one multiplication.
 
@@ -69,8 +70,9 @@ class _FusedProjectionLoss(torch.autograd.Function):
             grad_h = torch.empty_like(passes, dtype=hidden.dtype) if grad else None
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if grad else None
             # R-Drop's passes take half the rows each: its five (c, V) tensors at a time
-            # (two softmaxes, their log-ratio, difference and one gradient) stay near the
-            # plain path's two.
+            # (two softmaxes, their log-ratio, difference and one gradient) are 2.5 chunks of
+            # logits, against the plain path's one; a quarter of the rows would make it one,
+            # in twice as many, smaller products (the CPU's speed at that size unmeasured).
             chunk = max(1, CHUNK_LOGITS.get(device, 1 << 26) // (weight.size(0) * len(passes)))
             for start in range(0, passes.size(1), chunk):
                 rows = slice(start, start + chunk)
