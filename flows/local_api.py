@@ -25,6 +25,10 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 START_TIMEOUT_S = 180  # a busy 2-core machine takes ~15 s
 
 
+class LocalApiError(RuntimeError):
+    """The private API did not come up; the message is one line, the server's last words."""
+
+
 @contextlib.contextmanager
 def local_api() -> Iterator[str]:
     """Yield the URL of a private API (Prefect's API URL setting points at it meanwhile)."""
@@ -39,7 +43,8 @@ def local_api() -> Iterator[str]:
     try:
         _wait_healthy(server, url)
     except BaseException:
-        os.killpg(server.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # a server that exited left no group
+            os.killpg(server.pid, signal.SIGKILL)
         raise
     # No stop at the end of the block: Prefect sends its last logs and events while this
     # process exits, and the server stops when it is gone (PR_SET_PDEATHSIG).
@@ -51,12 +56,14 @@ def _wait_healthy(server: subprocess.Popen, url: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"prefect server exited: {server.stderr.read().decode()[-2000:]}")
+            lines = server.stderr.read().decode(errors="replace").strip().splitlines()
+            raise LocalApiError(f"`prefect server start` exited with {server.returncode}: "
+                                f"{lines[-1] if lines else 'no output'}")  # fmt: skip
         with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as r:
             if r.status == 200:
                 return
         time.sleep(0.2)
-    raise RuntimeError(f"prefect server on {url} not ready after {START_TIMEOUT_S} s")
+    raise LocalApiError(f"`prefect server start` on {url} not ready after {START_TIMEOUT_S} s")
 
 
 def _die_with_parent() -> None:

@@ -33,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.states import Failed
 
-from flows.local_api import local_api
+from flows.local_api import LocalApiError, local_api
 from tasks.publish import publish, summary_lines
 from tasks.runner import USER_ERROR, run_stage, user_failure
 from tasks.settings import experiment_name, load_run_params, tracking_uri
@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         with api:
             state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,
                                return_state=True)  # fmt: skip
+    except LocalApiError as err:  # the environment, not the params: exit 1, one line
+        print(f"error: Prefect's local API did not start: {err} (or set PREFECT_API_URL to "
+              "a running server)", file=sys.stderr)  # fmt: skip
+        return 1
     except (TerminationSignal, KeyboardInterrupt) as err:
         signum = signal.SIGTERM if isinstance(err, TerminationSignal) else signal.SIGINT
         print(f"error: stopped by {signum.name}; training saved what it had: rerun the same "

@@ -111,6 +111,24 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
+def test_a_local_api_that_cannot_start_ends_the_flow_in_one_line(tmp_path):
+    """The flow's own Prefect API dying as it starts (here the real server, with a module it
+    imports made unimportable, as on a machine that lacks it) ends the flow with exit 1 and
+    one line quoting the server's last words: not a traceback, and not the one that killing
+    the dead server's process group raised on top of it."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['asyncpg'] = None\n")
+    env = {k: v for k, v in ENV.items() if k != "PREFECT_API_URL"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "flows.wmt14_ende", SMOKE, "--work-dir", str(tmp_path / "w")]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "error: Prefect's local API did not start: `prefect server start` exited with 1: "
+        "ModuleNotFoundError: import of asyncpg halted; None in sys.modules "
+        "(or set PREFECT_API_URL to a running server)"
+    ]
+
+
 @pytest.mark.slow
 def test_two_flows_on_a_new_work_dir_do_the_work_once(tmp_path):
     work = tmp_path / "work"
