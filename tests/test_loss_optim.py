@@ -93,6 +93,10 @@ def test_rdrop_loss_under_bf16_autocast_gives_both_passes_fp32_gradients():
     loss.backward()
     assert hidden.grad.shape == (2, 12, 8) and hidden.grad.dtype == torch.float32
     assert hidden.grad[0].abs().sum() > 0 and hidden.grad[1].abs().sum() > 0
+
+
+def test_rdrop_loss_refuses_more_than_two_passes():
+    weight, target = torch.randn(11, 8), torch.randint(0, 11, (12,))
     with pytest.raises(ValueError, match="2, N, D"):
         label_smoothed_loss(torch.randn(3, 12, 8), weight, target, 0.1, rdrop_alpha=5.0)
 
