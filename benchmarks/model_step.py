@@ -7,11 +7,14 @@ get the same batches and the same loss, the trainer's (transformer.loss: the out
 projection fused with the loss over the non-pad targets), fed with each model's decoder
 output and its own tied embedding matrix; embeddings are scaled by sqrt(D) with sinusoidal
 positions in all three. So the ratios compare the encoder-decoder stacks. On CUDA the step
-runs in bf16 autocast, as the trainer does, and the table adds MFU against PEAK_TFLOPS;
-all three run under transformer.attention's choice of attention kernels.
+runs in bf16 autocast, as the trainer does (on a CPU with `--precision bf16`), and the table
+adds MFU against PEAK_TFLOPS; all three run under transformer.attention's choice of attention
+kernels.
 
     python benchmarks/model_step.py                             # smoke and base, CPU
     python benchmarks/model_step.py --configs base,big --max-tokens 8192,32768 --optimizer
+    python benchmarks/model_step.py --configs multi30k --max-tokens 2048 --optimizer \
+        --precision bf16                                        # a CPU with bf16 instructions
 """
 
 from __future__ import annotations
@@ -248,6 +251,7 @@ def measure(
     peers: tuple[str, ...] = PEERS,
     optimizer: bool = True,
     seed: int = 1,
+    bf16: bool | None = None,
 ) -> list[dict]:
     """One row per peer: throughput of `params`' model at `max_tokens` padded tokens per
     batch; a peer that cannot run here has a row whose `status` says why."""
@@ -261,7 +265,8 @@ def measure(
             missing[label] = f"skipped: {err.name} not installed"
         except Exception as err:  # a peer that cannot be built here: a finding, not the end
             missing[label] = failure(err)
-    bf16, step_fns = device.type == "cuda", {}
+    bf16 = device.type == "cuda" if bf16 is None else bf16
+    step_fns = {}
     for label, net in nets.items():
         adam = build_optimizer(net, params.train, params.model.d_model)[0] if optimizer else None
         step_fns[label] = make_step(net, adam, bf16)
@@ -369,6 +374,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--optimizer", action="store_true", help="include the Adam update")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        help="bf16: autocast, as the trainer's train.precision (default: bf16 on GPU, fp32 on "
+        "CPU, where it pays only with bf16 instructions: transformer.kernels.CPU_BF16)",
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     # nn.Transformer warns that it cannot use nested tensors with norm_first; irrelevant here.
@@ -392,8 +403,9 @@ def main() -> None:
                 tuple(args.peers.split(",")),
                 args.optimizer,
                 args.seed,
+                None if args.precision is None else args.precision == "bf16",
             )
-    precision = "bf16 autocast" if device.type == "cuda" else "fp32"
+    precision = "bf16 autocast" if rows[0]["precision"] == "bf16" else "fp32"
     print(
         f"device {device} ({precision}), torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, optimizer step: {args.optimizer}"

@@ -5,6 +5,7 @@ updates, early stopping, signals."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer.train as train_module
 from transformer import checkpoint as ckpt
+from transformer import kernels
 from transformer.config import load_params, to_dict
 from transformer.distributed import DistEnv
 from transformer.optim import inverse_sqrt_schedule
@@ -491,14 +493,32 @@ def test_params_errors_are_one_line_and_exit_2(tiny_shards, tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and "missing.yaml" in err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="states what happens on a CPU")
-def test_cpu_precision_is_stated(tiny_params, tiny_shards, tmp_path, caplog):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="trains on a CPU")
+@pytest.mark.parametrize("cpu_bf16", [None, "avx512_bf16"])  # the CPU's bf16 instructions
+@pytest.mark.parametrize("rdrop_alpha", ["0", "5"])  # 5: R-Drop's stacked passes, its fused KL
+def test_cpu_precision_follows_the_cpu(
+    tiny_params, tiny_shards, tmp_path, caplog, monkeypatch, cpu_bf16, rdrop_alpha
+):
+    """train.precision=bf16 on a CPU: bf16 autocast where the CPU multiplies in bf16 (close
+    to fp32's losses, not equal), fp32 where it would emulate it (equal); the log says which.
+    Without the instructions bf16 still runs (emulated), so both cases run on any CPU."""
+    monkeypatch.setattr(kernels, "CPU_BF16", cpu_bf16)
     caplog.set_level("INFO", logger="transformer")
-    assert (
-        train(tiny_params, tiny_shards, tmp_path / "r", "train.max_steps=1", "train.precision=bf16")
-        == 0
-    )
-    assert "training in fp32 on CPU" in caplog.text
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        records = ListLogger()
+        extra = ("model.dropout=0.0", "train.max_steps=3", "train.log_every=1",
+                 f"train.precision={precision}", f"train.rdrop_alpha={rdrop_alpha}")  # fmt: skip
+        assert train(tiny_params, tiny_shards, tmp_path / precision, *extra, logger=records) == 0
+        losses[precision] = [m["train/loss"] for _, m in records.records if "train/loss" in m]
+    assert len(losses["bf16"]) == 3 and all(map(math.isfinite, losses["bf16"]))
+    if cpu_bf16:
+        assert "bf16 autocast on this CPU's AVX512_BF16" in caplog.text
+        assert losses["bf16"] != losses["fp32"]
+        assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
+    else:
+        assert "no bf16 instructions (AVX512_BF16, AMX): training in fp32" in caplog.text
+        assert losses["bf16"] == losses["fp32"]
 
 
 def _trainer(tiny_params, tiny_shards, run_dir, *overrides) -> train_module.Trainer:

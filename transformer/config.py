@@ -239,7 +239,8 @@ class TrainConfig(Section):
     # tokens, and a forward pass carries twice max_tokens.
     rdrop_alpha: float = added(0.0, ge=0.0)
     clip_norm: float = Field(0.0, ge=0.0)  # 0 = no clipping (the paper clips nothing)
-    precision: Literal["fp32", "bf16"] = "bf16"  # bf16 autocast on GPU, fp32 masters
+    precision: Literal["fp32", "bf16"] = "bf16"  # bf16 autocast, fp32 masters; a CPU without
+    # bf16 instructions (AVX512_BF16, AMX) trains in fp32 (transformer/kernels.py)
     compile: bool = operational(False)  # torch.compile the model, dynamic shapes
     seed: int = 1
     save_every: int = operational(1000, ge=1)  # steps between checkpoints

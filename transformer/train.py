@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from transformer import kernels
 from transformer.attention import attention_context
 from transformer.attention import describe as describe_attention
 from transformer.checkpoint import (
@@ -178,9 +179,11 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the last state this run wrote
 
     def autocast(self):
-        # bf16 autocast with fp32 master weights, on GPU only (the CPU runs fp32).
-        if self.env.device.type == "cuda" and self.cfg.precision == "bf16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        # bf16 autocast with fp32 master weights, on a GPU or a CPU with bf16 instructions
+        # (elsewhere a CPU emulates bf16, slower than fp32: it trains in fp32).
+        device = self.env.device.type
+        if self.cfg.precision == "bf16" and (device == "cuda" or kernels.CPU_BF16):
+            return torch.autocast(device, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     @property
@@ -434,9 +437,13 @@ class Trainer:
         log.info(describe_products(env.device))
         log.info("rank %d of %d on %s; model: %.2fM parameters",
                  env.rank, env.world_size, env.device, n_params / 1e6)  # fmt: skip
-        if env.device.type == "cpu" and cfg.precision != "fp32":
-            log.info("train.precision=%s applies on GPU only: training in fp32 on CPU",
-                     cfg.precision)  # fmt: skip
+        if env.device.type == "cpu" and cfg.precision == "bf16":
+            if kernels.CPU_BF16:
+                log.info("train.precision=bf16: bf16 autocast on this CPU's %s (fp32 master "
+                         "weights; attention in fp32)", kernels.CPU_BF16.upper())  # fmt: skip
+            else:
+                log.info("train.precision=bf16: this CPU has no bf16 instructions "
+                         "(AVX512_BF16, AMX): training in fp32")  # fmt: skip
         micro = self.loader.sampler.max_tokens
         log.info("an update: %d rank(s) x %d micro-batch(es) of <= %d tokens (batch_tokens %d, "
                  "padding counted); the loss is normalised by its real target tokens",
