@@ -382,6 +382,7 @@ def main() -> None:
     )
     args = p.parse_args()
     device = torch.device(args.device)
+    bf16 = (args.precision or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
     # nn.Transformer warns that it cannot use nested tensors with norm_first; irrelevant here.
     warnings.filterwarnings("ignore", module="torch.nn.modules.transformer")
     rows = []
@@ -403,9 +404,9 @@ def main() -> None:
                 tuple(args.peers.split(",")),
                 args.optimizer,
                 args.seed,
-                None if args.precision is None else args.precision == "bf16",
+                bf16,
             )
-    precision = "bf16 autocast" if rows[0]["precision"] == "bf16" else "fp32"
+    precision = "bf16 autocast" if bf16 else "fp32"
     print(
         f"device {device} ({precision}), torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, optimizer step: {args.optimizer}"

@@ -44,8 +44,9 @@ ONEDNN = (
 # bf16 dot products in hardware (AVX512_BF16: AMD Zen 4 on, Intel Cooper Lake on; AMX:
 # Sapphire Rapids on), where oneDNN's bf16 products run 2-3x faster than fp32's; elsewhere
 # bf16 is emulated, slower than fp32.
-_CAPS = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-CPU_BF16: str | None = next((n for n in ("amx_bf16", "avx512_bf16") if _CAPS.get(n)), None)
+# A torch without get_capabilities (pyproject allows 2.5 on) counts as no such CPU.
+_capabilities = getattr(torch.cpu, "get_capabilities", dict)()
+CPU_BF16: str | None = next((n for n in ("amx_bf16", "avx512_bf16") if _capabilities.get(n)), None)
 FEW_QUERIES = 8  # a beam of up to 8 hypotheses at one step, as decode.py's steps query
 
 

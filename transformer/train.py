@@ -66,7 +66,6 @@ from transformer.distributed import (
     shutdown,
 )
 from transformer.files import CHECKPOINTS, SPM_MODEL, atomic_write
-from transformer.kernels import describe as describe_products
 from transformer.lifecycle import StopSignal, die_with_parent, prepare_run_dir
 from transformer.loss import label_smoothed_loss
 from transformer.metrics import (
@@ -137,6 +136,10 @@ class Trainer:
 
     def __init__(self, params: Params, env: DistEnv, shards: Path, run_dir: Path):
         cfg = self.cfg = params.train
+        # bf16 autocast with fp32 master weights, on a GPU or a CPU with bf16 instructions
+        # (elsewhere a CPU emulates bf16, slower than fp32: it trains in fp32).
+        bf16_here = env.device.type == "cuda" or kernels.CPU_BF16 is not None
+        self.bf16 = cfg.precision == "bf16" and bf16_here
         self.params, self.env, self.run_dir = params, env, run_dir
         if env.device.type == "cuda":  # fp32 matmuls (fp32 runs, the loss) on tensor cores
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -179,11 +182,8 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the last state this run wrote
 
     def autocast(self):
-        # bf16 autocast with fp32 master weights, on a GPU or a CPU with bf16 instructions
-        # (elsewhere a CPU emulates bf16, slower than fp32: it trains in fp32).
-        device = self.env.device.type
-        if self.cfg.precision == "bf16" and (device == "cuda" or kernels.CPU_BF16):
-            return torch.autocast(device, dtype=torch.bfloat16)
+        if self.bf16:
+            return torch.autocast(self.env.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     @property
@@ -434,11 +434,11 @@ class Trainer:
         cfg, env = self.cfg, self.env
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info(describe_attention(env.device))
-        log.info(describe_products(env.device))
+        log.info(kernels.describe(env.device))
         log.info("rank %d of %d on %s; model: %.2fM parameters",
                  env.rank, env.world_size, env.device, n_params / 1e6)  # fmt: skip
         if env.device.type == "cpu" and cfg.precision == "bf16":
-            if kernels.CPU_BF16:
+            if self.bf16:
                 log.info("train.precision=bf16: bf16 autocast on this CPU's %s (fp32 master "
                          "weights; attention in fp32)", kernels.CPU_BF16.upper())  # fmt: skip
             else:
