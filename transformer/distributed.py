@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.fx.experimental import _config as fx_config  # private: the only switch for duck shaping
 from torch.nn.parallel import DistributedDataParallel
+
+from transformer.compiled import compile_layers
 
 
 @dataclass(frozen=True)
@@ -104,19 +105,11 @@ def barrier() -> None:
 
 
 def distribute(model: nn.Module, env: DistEnv, compile: bool) -> nn.Module:
-    """DDP if there are several ranks, then torch.compile with dynamic shapes if asked.
-    Compiling the DDP module (not the module inside it) lets dynamo split the graph at
-    DDP's gradient buckets, so communication still overlaps the backward pass."""
-    net = model
-    if env.distributed:
-        device_ids = [env.device] if env.device.type == "cuda" else None
-        net = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    """`model`'s layers compiled if asked (compiled.py), then DDP if there are several ranks
+    (DDP's hooks see the compiled layers' parameters as they are: one module, one state)."""
     if compile:
-        # dynamic=True: one graph for every (batch, length) shape instead of one per shape.
-        # Without duck shaping: else sizes equal in the first batch (source and target
-        # lengths, often, with length buckets) become one symbol, and the next batch compiles
-        # the graph again (minutes for base's layers on a CPU). Process-wide, as it is read
-        # when dynamo traces.
-        fx_config.use_duck_shape = False
-        net = torch.compile(net, dynamic=True)
-    return net
+        compile_layers(model)
+    if not env.distributed:
+        return model
+    device_ids = [env.device] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)

@@ -15,7 +15,7 @@ tracing, a torch without oneDNN) it is F.linear.
 
 Dropout (`Dropout`): torch's CPU dropout draws its mask with bernoulli_, ~4x slower than a
 uniform draw and a comparison; on a CPU the mask is drawn so (same distribution, same
-generator). On a GPU it is F.dropout's fused kernel.
+generator). On a GPU it is F.dropout's fused kernel, native_dropout, called directly.
 
 Attention (`attention`): F.scaled_dot_product_attention, except for a decoding step on a CPU
 (a few queries, no gradient), where SDPA's flash kernel, tiled for long blocks of queries,
@@ -48,6 +48,14 @@ ONEDNN = (
 _capabilities = getattr(torch.cpu, "get_capabilities", dict)()
 CPU_BF16: str | None = next((n for n in ("amx_bf16", "avx512_bf16") if _capabilities.get(n)), None)
 FEW_QUERIES = 8  # a beam of up to 8 hypotheses at one step, as decode.py's steps query
+# False runs a CPU the way a GPU is run (F.linear, F.dropout, SDPA, the loss's logits in
+# the product's dtype): tests count the GPU's ops on a CPU so.
+CPU_PATHS = True
+
+
+def cpu_path(t: Tensor) -> bool:
+    """Whether `t` takes this module's CPU paths (see CPU_PATHS)."""
+    return CPU_PATHS and t.device.type == "cpu"
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -74,8 +82,8 @@ class Dropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x  # not even F.dropout's no-op: ~10 dispatched calls a decoding step
-        if x.device.type != "cpu":
-            return super().forward(x)
+        if not cpu_path(x):  # F.dropout's own fused kernel on a GPU, one op
+            return torch.native_dropout(x, self.p, True)[0]
         # 1.0 with probability 1 - p, else 0.0; drawn in fp32 (a bf16 draw is coarse enough
         # to keep 0.998 of the share it should: 0.6982 at p 0.3)
         keep = torch.rand(x.shape, device=x.device).ge_(self.p).to(x.dtype)
@@ -93,7 +101,7 @@ def attention(
     """F.scaled_dot_product_attention's contract (q (..., L, d), k, v (..., S, d); `mask`
     broadcast to (..., L, S): boolean, True = may attend, or added to the scores), without
     its `scale` argument."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    if cpu_path(q) and q.dtype == torch.bfloat16:
         # CPU bf16 autocast (training): torch's bf16 attention backward on a CPU is ~8x
         # slower than fp32's on these shapes (Zen 4), and the products around it, not
         # attention, are where bf16 gains. So attention runs in fp32 here.
@@ -126,7 +134,7 @@ def describe(device: torch.device | str) -> str:
 def _onednn(x: Tensor, weight: Tensor) -> bool:
     return (
         ONEDNN
-        and x.device.type == "cpu"
+        and cpu_path(x)
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
@@ -138,7 +146,7 @@ def _few_queries(q: Tensor, k: Tensor, v: Tensor) -> bool:
     # one more compilation for every length that crosses FEW_QUERIES.
     return (
         not torch.compiler.is_compiling()
-        and q.device.type == "cpu"
+        and cpu_path(q)
         and q.dtype == torch.float32
         and q.size(-2) <= FEW_QUERIES
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Protocol
 
+import torch
+from torch import Tensor
 from tqdm import tqdm
 
 
@@ -152,42 +154,73 @@ class Progress:
 
 
 class TrainMeter:
-    """Sums over the updates since the last log; `metrics()` reads and resets them.
+    """The training metrics, summed on the device update by update, read by the host only
+    when it needs them (`read`: one device-to-host copy): a read inside every update would
+    make the host wait for the GPU at each one, and the GPU for the host's next one.
 
-    Losses are per target token of the whole window (token-weighted, as the optimisation
-    itself weighs them); throughput counts the time inside training steps only, so
-    validation and checkpointing do not drag it down.
+    `add` also decides, on the device, whether the update may be applied: a non-finite loss
+    or gradient norm skips it (the optimizer's `found_inf`). Losses are per target token of
+    the window (token-weighted, as the optimisation itself weighs them); throughput is the
+    window's wall time up to the read that ends it, less validation and checkpointing.
     """
 
-    def __init__(self):
-        self.reset()
+    # The device sums: loss, nll, tokens, grad norm (applied updates), applied, skipped,
+    # the current run of skipped updates and the longest since the last read.
+    LOSS, NLL, TOKENS, NORM, OK, BAD, RUN, LONGEST = range(8)
 
-    def reset(self) -> None:
-        self.loss = self.nll = self.tokens = self.grad_norm = self.seconds = 0.0
-        self.updates = 0
+    def __init__(self, device: torch.device, bad_run: int = 0):
+        self.sums = torch.zeros(8, device=device)
+        self.sums[self.RUN] = self.sums[self.LONGEST] = bad_run
+        self.window = [0.0] * 6  # the host's sums since the last log, as `sums`' first six
+        self.seconds = self.updates = 0
+        self.clock = time.perf_counter()
 
-    def add(self, result, seconds: float) -> None:
-        """`result`: a train.StepResult (sums over the update's target tokens)."""
-        self.loss += result.loss
-        self.nll += result.nll
-        self.tokens += result.tokens
-        self.grad_norm += result.grad_norm
-        self.seconds += seconds
+    def add(self, loss: Tensor, nll: Tensor, tokens: Tensor, grad_norm: Tensor) -> Tensor:
+        """One update's sums (all ranks); returns found_inf, 1.0 where it must be skipped."""
+        s = self.sums
+        values = torch.stack([loss, nll, tokens, grad_norm])
+        ok = values.isfinite().all()
+        s[: self.OK] += values.where(ok, 0.0)
+        s[self.OK : self.RUN] += torch.stack([ok, ~ok])
+        s[self.RUN] = (s[self.RUN] + 1).where(~ok, 0.0)
+        s[self.LONGEST] = s[self.LONGEST].maximum(s[self.RUN])
         self.updates += 1
+        return (~ok).float()
+
+    def read(self) -> tuple[int, int, int, int]:
+        """Into the window: (skipped updates since the last read, current run of skipped
+        updates, longest run since the last read, target tokens of the applied updates since
+        the last read). The one host read."""
+        values = self.sums.tolist()
+        self.sums[: self.RUN].zero_()
+        self.sums[self.LONGEST] = self.sums[self.RUN]
+        for i in range(6):
+            self.window[i] += values[i]
+        now = time.perf_counter()
+        self.seconds, self.clock = self.seconds + now - self.clock, now
+        counts = (self.BAD, self.RUN, self.LONGEST, self.TOKENS)
+        return tuple(int(values[i]) for i in counts)
+
+    def pause(self) -> None:
+        """Validation or a checkpoint: their time is not training's."""
+        self.clock = time.perf_counter()
 
     def metrics(self, lr: float, bad_steps: int) -> dict[str, float]:
-        n, tokens = max(self.updates, 1), max(self.tokens, 1.0)
+        """The window's metrics (after a `read`); starts the next window."""
+        loss, nll, tokens, norm, ok, _ = self.window
+        n, tokens = max(self.updates, 1), max(tokens, 1.0)
         out = {
-            "train/loss": self.loss / tokens,
-            "train/nll_loss": self.nll / tokens,
-            "train/ppl": math.exp(min(self.nll / tokens, 100.0)),
+            "train/loss": loss / tokens,
+            "train/nll_loss": nll / tokens,
+            "train/ppl": math.exp(min(nll / tokens, 100.0)),
             "train/lr": lr,
-            "train/grad_norm": self.grad_norm / n,
-            "train/tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+            "train/grad_norm": norm / max(ok, 1.0),
+            "train/tokens_per_s": tokens / max(self.seconds, 1e-9),
             "train/step_time": self.seconds / n,
-            "train/tokens_per_update": self.tokens / n,
+            "train/tokens_per_update": tokens / max(ok, 1.0),
         }
         if bad_steps:
             out["train/bad_steps"] = float(bad_steps)
-        self.reset()
+        self.window = [0.0] * 6
+        self.seconds = self.updates = 0
         return out

@@ -105,8 +105,8 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(relu_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        # In place: the product's output is not needed again (a (B, T, d_ff) pass saved).
-        return self.w2(self.dropout(F.relu(self.w1(x), inplace=True)))  # -> (B, T, D)
+        # Out of place: in place on the product's output would make autograd copy it back.
+        return self.w2(self.dropout(F.relu(self.w1(x))))  # -> (B, T, D)
 
 
 class Residual(nn.Module):
@@ -175,6 +175,9 @@ class Transformer(nn.Module):
         learned = cfg.positional == "learned"
         self.src_pos = nn.Embedding(cfg.max_positions, d) if learned else None
         self.tgt_pos = nn.Embedding(cfg.max_positions, d) if learned else None
+        # The sinusoids once, not at every forward; not saved (a function of the config).
+        table = None if learned else sinusoidal(torch.arange(cfg.max_positions), d)
+        self.register_buffer("sinusoids", table, persistent=False)
         self.dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
@@ -201,20 +204,25 @@ class Transformer(nn.Module):
             self.src_embed.weight[self.pad_id].zero_()
             self.tgt_embed.weight[self.pad_id].zero_()
 
-    def _embed(self, tokens: Tensor, table: nn.Embedding, pos_table, offset: int) -> Tensor:
+    def _embed(self, tokens: Tensor, table: nn.Embedding, pos_table, offset: int | Tensor):
         # Section 3.4: embeddings times sqrt(D); 3.5: plus positions; 5.4: dropout on the sum.
-        t = tokens.size(1)
-        pos = torch.arange(offset, offset + t, device=tokens.device)  # (T,)
-        if pos_table is None:
-            pe = sinusoidal(pos, self.cfg.d_model)  # (T, D)
-        elif offset + t > self.cfg.max_positions:
+        pe = self._positions(pos_table, offset, tokens.size(1))  # (T, D)
+        return self.dropout(table(tokens) * self.cfg.d_model**0.5 + pe)  # (B, T, D)
+
+    def _positions(self, pos_table, offset: int | Tensor, t: int) -> Tensor:
+        """Rows offset .. offset + t - 1 of the position table (T, D). `offset` may be a 0-dim
+        device tensor (a decoding step replayed as a CUDA graph): rows by index, no sync."""
+        rows = self.sinusoids if pos_table is None else pos_table.weight
+        if isinstance(offset, Tensor):
+            return rows.index_select(0, offset + torch.arange(t, device=offset.device))
+        if offset + t <= rows.size(0):
+            return rows[offset : offset + t]
+        if pos_table is not None:
             raise ValueError(
                 f"sequence of {offset + t} positions exceeds model.max_positions "
                 f"({self.cfg.max_positions}) of the learned position table"
             )
-        else:
-            pe = pos_table(pos)  # (T, D)
-        return self.dropout(table(tokens) * self.cfg.d_model**0.5 + pe)  # (B, T, D)
+        return sinusoidal(torch.arange(offset, offset + t, device=rows.device), rows.size(1))
 
     def encode(self, src: Tensor) -> Tensor:
         src_mask = key_mask(src == self.pad_id, additive=False)
@@ -240,7 +248,8 @@ class Transformer(nn.Module):
         caches = [(None, None)] * len(self.decoder)
         if cache is not None:  # the new positions take their slots in the cache
             caches = cache.layers(tgt_in, memory)
-        src_mask = key_mask(src_padding, additive=cache is not None)
+        # The cache builds the source mask once for all steps.
+        src_mask = key_mask(src_padding, False) if cache is None else cache.src_mask(src_padding)
         for layer, (self_cache, cross_cache) in zip(self.decoder, caches, strict=True):
             x = layer(x, memory, src_mask, self_cache, cross_cache)
         x = self.dec_norm(x)

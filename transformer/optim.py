@@ -71,7 +71,9 @@ def build_optimizer(
         betas=tuple(cfg.adam_betas),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
-        fused=all(p.is_cuda for p in params),  # one kernel for all parameters on GPU
+        # One kernel for all parameters, and an update skipped on the device when the
+        # trainer sets `found_inf` (a non-finite loss or gradient), as GradScaler does.
+        fused=True,
     )
     scheduler = LambdaLR(
         optimizer,

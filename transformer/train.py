@@ -13,10 +13,17 @@ is refused with the differences named, unless `--allow-param-change`; `--reset` 
 `--init-from STATE` starts an empty run folder from another run's training state with these
 params: a branch, as warmup-stable-decay invites (one held-lr run, several cooldowns).
 
+An update whose loss or gradient is not finite is skipped on the device (its batch is used
+up, its step counted, the weights and Adam's moments left as they were) and counted when the
+host next reads the metrics: every train.log_every updates, and at each validation and
+checkpoint; no update waits for the GPU to report. With several ranks, a stop signal is
+agreed one update late.
+
 Exit codes: 0 trained to train.max_steps or stopped early (or already there); 1 stopped
-after train.max_bad_steps non-finite updates in a row; 2 bad params, data or checkpoints
-(one line on stderr); 128 + signal number after SIGTERM/SIGINT: the current update is
-finished and saved first. Not 0, because an interrupted run is not a finished one.
+after train.max_bad_steps non-finite updates in a row (seen at the next read); 2 bad params,
+data or checkpoints (one line on stderr); 128 + signal number after SIGTERM/SIGINT: the
+current update is finished and saved first. Not 0, because an interrupted run is not a
+finished one.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ import random
 import shutil
 import signal
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +91,7 @@ from transformer.optim import (
     resync_lr,
     with_these_kernels,
 )
+from transformer.precision import ComputeWeights
 from transformer.validate import EarlyStopping, validate
 from transformer.vocab import PAD, VocabError, load_spm
 
@@ -99,7 +106,7 @@ class TrainError(RuntimeError):
 
 @dataclass
 class Progress:
-    step: int = 0  # optimizer updates applied
+    step: int = 0  # updates taken, a skipped (non-finite) one included
     bad_steps: int = 0  # non-finite updates in a row
     bad_steps_total: int = 0
     tokens_seen: int = 0  # target tokens of the applied updates, all ranks
@@ -117,17 +124,6 @@ def batch_plan(batch_tokens: int, max_tokens: int, world_size: int) -> tuple[int
     `batch_tokens` of an update, shared out over the ranks, fit `max_tokens` each."""
     update_freq = math.ceil(batch_tokens / (world_size * max_tokens))
     return update_freq, batch_tokens // (world_size * update_freq)
-
-
-@dataclass
-class StepResult:
-    ok: bool  # loss and gradient finite: the update was applied
-    loss: float  # sums over the update's target tokens, all ranks
-    nll: float
-    tokens: float
-    grad_norm: float
-    lr: float
-    stop: bool  # some rank was asked to stop
 
 
 class Trainer:
@@ -151,6 +147,7 @@ class Trainer:
         self.sp = load_spm(train.spm_model)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = Transformer(params.model, self.sp.get_piece_size(), PAD).to(env.device)
+        self.weights = ComputeWeights(self.model, self.bf16)  # bf16 copies of the layers'
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg, params.model.d_model)
         seed_everything(cfg.seed + env.rank)  # each rank its own dropout stream from here
         self.update_freq, micro = batch_plan(cfg.batch_tokens, cfg.max_tokens, env.world_size)
@@ -178,8 +175,10 @@ class Trainer:
             "early_stopping": self.stopping,
             "checkpoints": self.checkpoints,
         }
-        self.net: torch.nn.Module = self.model
+        self.net: torch.nn.Module = self.weights.net
         self.saved_step: int | None = None  # the step of the last state this run wrote
+        self.meter = TrainMeter(env.device)
+        self._vote: torch.Tensor | None = None  # the last update's stop flag, all ranks
 
     def autocast(self):
         if self.bf16:
@@ -234,6 +233,8 @@ class Trainer:
         except (RuntimeError, ValueError, KeyError) as err:
             raise TrainError(f"{path}: does not fit this run: {err}") from None
         resync_lr(self.optimizer, self.scheduler)
+        self.weights.refresh()
+        self.meter = TrainMeter(self.env.device, self.progress.bad_steps)
         if branch:  # the folder's own first state: a rerun resumes it, not the source
             self.save_state()
         self.saved_step = self.progress.step
@@ -264,27 +265,23 @@ class Trainer:
     # ------------------------------------------------------------------- the loop
 
     def fit(self, logger: MetricsLogger, stop: StopSignal) -> int:
-        meter = TrainMeter()
         batches = iter(self.loader)
+        self.meter.pause()
         while not self.finished:
-            start = time.perf_counter()
             micro = [next(batches).to(self.env.device) for _ in range(self.update_freq)]
-            result = self.step(micro, stop.requested)
-            if result.ok:
-                self.progress.step += 1
-                self.progress.bad_steps = 0
-                self.progress.tokens_seen += int(result.tokens)
-                meter.add(result, time.perf_counter() - start)
-                self.after_update(meter, logger, result.lr)
-            elif self.bad_step(result):
-                return EXIT_BAD_STEPS
-            if result.stop and not self.finished:
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.step(micro)
+            self.progress.step += 1
+            stopping = self.agreed_stop(stop.requested)
+            if self.due() and (code := self.after_update(logger, lr)) is not None:
+                return code
+            if stopping and not self.finished:
                 return self.save_and_stop(stop)
         return 0
 
-    def step(self, batches: list[Batch], stop_requested: bool) -> StepResult:
-        """One update from this rank's micro-batches (gradients all-reduced after the last).
-        One host sync: the finiteness check reads the update's sums back."""
+    def step(self, batches: list[Batch]) -> None:
+        """One update from this rank's micro-batches (gradients all-reduced after the last),
+        queued with no host read: a non-finite update is skipped on the device."""
         self.schedule_dropout()
         dev, world = self.env.device, self.env.world_size
         # A fill, not a copy from the host: no sync. DDP averages gradients over ranks, so
@@ -292,24 +289,37 @@ class Trainer:
         # update's summed loss per target token, however it is split.
         tokens = torch.full((), float(sum(b.n_tgt_tokens for b in batches)), device=dev)
         scale = world / all_reduce_sum(tokens)
-        sums = torch.zeros(3, device=dev)  # loss, nll, stop
+        sums = torch.zeros(2, device=dev)  # loss, nll
         for i, batch in enumerate(batches):
             with self.sync_gradients(last=i == len(batches) - 1):
                 loss, nll = self.forward_loss(batch)
                 (loss * scale).backward()
-            sums[0] += loss.detach()
-            sums[1] += nll
+            sums += torch.stack([loss.detach(), nll])
+        self.weights.grads_to_master()
         grad_norm = clip_gradients(self.model, self.cfg.clip_norm)
-        sums[2].fill_(float(stop_requested))  # sums[2] = x would copy x from the host: a sync
-        all_reduce_sum(sums)
-        loss, nll, stop, n_tokens, norm = torch.cat([sums, tokens[None], grad_norm[None]]).tolist()
-        ok = math.isfinite(loss) and math.isfinite(norm)  # the same on every rank
-        lr = self.optimizer.param_groups[0]["lr"]
-        if ok:
-            self.optimizer.step()
-            self.scheduler.step()
+        loss, nll = all_reduce_sum(sums).unbind()
+        self.optimizer.found_inf = self.meter.add(loss, nll, tokens, grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.weights.refresh()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(ok, loss, nll, n_tokens, norm, lr, stop > 0)
+
+    def agreed_stop(self, requested: bool) -> bool:
+        """Whether some rank was asked to stop. One rank: its own signal. Several: each update
+        all-reduces the ranks' flags and the host reads the previous update's, done by now,
+        so that every rank stops after the same update without waiting for this one."""
+        if not self.env.distributed:
+            return requested
+        flag = all_reduce_sum(torch.full((), float(requested), device=self.env.device))
+        previous, self._vote = self._vote, flag
+        return previous is not None and previous.item() > 0
+
+    def due(self) -> bool:
+        """Whether this update ends with a read: a log, a validation, a checkpoint, the end."""
+        cfg, step = self.cfg, self.progress.step
+        every = (cfg.log_every, cfg.valid_every, cfg.save_every)
+        branch = step == self.checkpoints.branch_point
+        return self.finished or branch or any(step % n == 0 for n in every)
 
     def schedule_dropout(self) -> None:
         """This update's model.dropout: train.cooldown_dropout in the cooldown. Checked at
@@ -323,9 +333,8 @@ class Trainer:
 
     def sync_gradients(self, last: bool):
         """All-reduce only on the update's last micro-batch (DDP's no_sync for the others)."""
-        ddp = getattr(self.net, "_orig_mod", self.net)
-        if isinstance(ddp, DistributedDataParallel) and not last:
-            return ddp.no_sync()
+        if isinstance(self.net, DistributedDataParallel) and not last:
+            return self.net.no_sync()
         return contextlib.nullcontext()
 
     def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,32 +353,40 @@ class Trainer:
         targets = batch.tgt_out.flatten().index_select(0, batch.tgt_positions)  # (N,)
         with self.autocast():
             return label_smoothed_loss(
-                rows, self.model.out_proj.weight, targets, cfg.label_smoothing, cfg.rdrop_alpha
+                rows,
+                self.model.out_proj.weight,
+                targets,
+                cfg.label_smoothing,
+                cfg.rdrop_alpha,
+                compiled=cfg.compile,
             )
 
-    def bad_step(self, result: StepResult) -> bool:
-        """Count a skipped update; True when there were too many in a row."""
+    def count_bad_steps(self) -> bool:
+        """Read the meter; count the skipped updates. True when too many came in a row."""
         p, limit = self.progress, self.cfg.max_bad_steps
-        p.bad_steps += 1
-        p.bad_steps_total += 1
-        what = "loss" if not math.isfinite(result.loss) else "gradient"
-        log.warning(
-            "non-finite %s after step %d: update skipped (%d in a row, train.max_bad_steps=%d)",
-            what, p.step, p.bad_steps, limit,
-        )  # fmt: skip
-        if p.bad_steps < limit:
+        bad, p.bad_steps, longest, tokens = self.meter.read()
+        p.bad_steps_total += bad
+        p.tokens_seen += tokens
+        if bad:
+            log.warning("non-finite loss or gradient: %d update(s) skipped up to step %d "
+                        "(%d in a row now, train.max_bad_steps=%d)",
+                        bad, p.step, p.bad_steps, limit)  # fmt: skip
+        if longest < limit:
             return False
         last = "none" if self.saved_step is None else f"step {self.saved_step}"
         log.error("stopping: %d non-finite updates in a row; the last saved state: %s",
                   limit, last)  # fmt: skip
         return True
 
-    def after_update(self, meter: TrainMeter, logger: MetricsLogger, lr: float) -> None:
-        """Log, validate and checkpoint on their schedules (and all three at the end)."""
+    def after_update(self, logger: MetricsLogger, lr: float) -> int | None:
+        """Read the metrics; log, validate and checkpoint on their schedules (and all three at
+        the end). An exit code if the run must stop."""
         cfg, step = self.cfg, self.progress.step
+        if self.count_bad_steps():
+            return EXIT_BAD_STEPS
         last = step == cfg.max_steps
         if step % cfg.log_every == 0 or last:
-            metrics = meter.metrics(lr, self.progress.bad_steps_total)
+            metrics = self.meter.metrics(lr, self.progress.bad_steps_total)
             logger.log({**metrics, "train/epoch": self.loader.epochs_done}, step)
         improved, score = False, None
         if step % cfg.valid_every == 0 or last:
@@ -387,8 +404,12 @@ class Trainer:
             self.save(score, full=due)
         if step == self.checkpoints.branch_point and not due:  # kept for more cooldowns
             self.save_state()
+        self.meter.pause()
+        return None
 
     def save_and_stop(self, stop: StopSignal) -> int:
+        if self.count_bad_steps():
+            return EXIT_BAD_STEPS
         if self.saved_step != self.progress.step:
             self.save(None, full=True)
         signum = stop.signum or signal.SIGTERM  # another rank may have been the one signalled
@@ -552,7 +573,7 @@ def run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsL
         log.info("step %d: nothing to do (train.max_steps %d%s)",
                  t.progress.step, params.train.max_steps, early)  # fmt: skip
         return 0
-    t.net = distribute(t.model, env, params.train.compile)
+    t.net = distribute(t.weights.net, env, params.train.compile)
     console = ConsoleLogger(params.train.max_steps, t.progress.step) if env.is_main else None
     sink = TeeLogger(console, logger) if console and logger else console or NullLogger()
     stop = StopSignal()
