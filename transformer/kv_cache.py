@@ -65,6 +65,14 @@ class KVCache:
         self.cross_attn: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
         self.visible: Tensor | None = None  # (B, slots), True = in the row's past
         self.mask: Tensor | None = None  # this decode()'s (B', 1, g * T, slots), 0 or -inf
+        self._src_mask: Tensor | None = None  # (B', 1, 1, S), 0 or -inf
+
+    def src_mask(self, padding: Tensor) -> Tensor:
+        """The source key mask of every step, additive (kernels.attention adds it faster than
+        it masks): built on the first step, again when sentences leave."""
+        if self._src_mask is None or self._src_mask.size(0) != padding.size(0):
+            self._src_mask = torch.where(padding[:, None, None, :], float("-inf"), 0.0)
+        return self._src_mask
 
     def layers(self, tgt_in: Tensor, memory: Tensor) -> list[tuple[SelfAttentionKV, dict]]:
         """Give the T new positions of tgt_in (B, T) their slots, in their rows' past, and
