@@ -251,3 +251,105 @@ def test_loader_finite_pass_and_errors(dataset):
 
     with pytest.raises(RuntimeError, match="unreadable shard"):
         next(iter(BatchLoader(Broken(), sampler)))
+
+
+# --------------------------------------------------------------------------- shape classes
+# (the sampler's side: tests/test_shape_classes.py)
+
+
+def test_padding_rows_and_class_widths(dataset):
+    indices = np.array([3, 17, 42, 8])
+    natural = dataset.batch(indices)
+    (_, s), (_, t) = natural.src.shape, natural.tgt_out.shape
+    batch = dataset.batch([*indices, -1, -1], pad_to=(s + 3, t + 2))
+    assert batch.src.shape == (6, s + 3) and batch.tgt_in.shape == batch.tgt_out.shape == (6, t + 2)
+    for row in range(4):  # the examples as they were, wider
+        assert _unpad(batch.src[row]) == _unpad(natural.src[row])
+        assert _unpad(batch.tgt_in[row]) == _unpad(natural.tgt_in[row])
+        assert _unpad(batch.tgt_out[row]) == _unpad(natural.tgt_out[row])
+    assert batch.ids.tolist() == [*natural.ids.tolist(), -1, -1]
+    # A padding row: one source key (EOS), an empty target: in no loss position, no count.
+    assert batch.src[4:, 0].tolist() == [EOS, EOS] and (batch.src[4:, 1:] == PAD).all()
+    assert batch.tgt_in[4:, 0].tolist() == [BOS, BOS] and (batch.tgt_in[4:, 1:] == PAD).all()
+    assert (batch.tgt_out[4:] == PAD).all()
+    assert (batch.tgt_positions < 4 * (t + 2)).all()
+    assert batch.tgt_out.flatten()[batch.tgt_positions].tolist() == (
+        natural.tgt_out.flatten()[natural.tgt_positions].tolist()
+    )
+    assert (batch.n_src_tokens, batch.n_tgt_tokens) == (natural.n_src_tokens, natural.n_tgt_tokens)
+    with pytest.raises(ValueError, match="longer than the widths"):
+        dataset.batch(indices, pad_to=(s - 1, t))
+    with pytest.raises(ValueError, match="not only padding rows"):
+        dataset.batch([-1, -1], pad_to=(s, t))
+
+
+def test_padding_rows_change_neither_the_loss_nor_its_gradient(dataset):
+    """The model on a class-padded batch (wider, with padding rows) gives the loss and the
+    gradient of the batch as it was: the padding rows' EOS keeps their attention finite."""
+    from transformer.config import ModelConfig
+    from transformer.model import Transformer
+
+    cfg = ModelConfig(n_layers=1, d_model=16, d_ff=32, n_heads=2, dropout=0.0)
+    torch.manual_seed(0)
+    model = Transformer(cfg, 60, pad_id=PAD)
+    indices = np.array([3, 17, 42, 8])
+    natural = dataset.batch(indices)
+    (_, s), (_, t) = natural.src.shape, natural.tgt_out.shape
+    padded = dataset.batch([*indices, -1, -1, -1], pad_to=(s + 5, t + 4))
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        logits = model(batch.src, batch.tgt_in).flatten(0, 1)[batch.tgt_positions]
+        targets = batch.tgt_out.flatten()[batch.tgt_positions]
+        loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    loss, grads = loss_and_grads(natural)
+    loss2, grads2 = loss_and_grads(padded)
+    assert torch.isfinite(loss2) and all(torch.isfinite(g).all() for g in grads2)
+    torch.testing.assert_close(loss2, loss, rtol=1e-5, atol=1e-5)
+    assert len(grads2) == len(grads)
+    for g2, g in zip(grads2, grads, strict=True):
+        torch.testing.assert_close(g2, g, rtol=1e-4, atol=1e-6)
+
+
+def _class_loader(dataset, **kwargs) -> BatchLoader:
+    sampler = TokenBatchSampler.from_dataset(
+        dataset, 256, seed=3, world_size=2, rank=1, shape_classes=4
+    )
+    return BatchLoader(dataset, sampler, prefetch=4, **kwargs)
+
+
+def test_loader_pads_every_batch_to_its_class_shape(dataset):
+    seen = []
+    for rank in (0, 1):
+        sampler = TokenBatchSampler.from_dataset(
+            dataset, 256, seed=3, world_size=2, rank=rank, shape_classes=4
+        )
+        shapes = set(sampler.shapes)
+        assert 1 < len(shapes) <= 4
+        for batch in BatchLoader(dataset, sampler, epoch=1):
+            assert (len(batch), batch.src.shape[1], batch.tgt_out.shape[1]) in shapes
+            real = batch.ids >= 0
+            seen += batch.ids[real].tolist()
+            assert batch.n_tgt_tokens == len(batch.tgt_positions)
+            assert batch.n_src_tokens == int((batch.src[real] != PAD).sum())
+            assert (batch.tgt_out[~real] == PAD).all() and (batch.src[~real, 0] == EOS).all()
+    assert sorted(seen) == list(range(len(dataset)))  # every example once, both ranks
+
+
+def test_loader_resume_with_shape_classes_is_exact_despite_prefetch(dataset):
+    loader = _class_loader(dataset)
+    n = loader.sampler.batches_per_rank
+    stream = iter(loader)
+    for _ in range(n - 1):
+        next(stream)
+    state = loader.state_dict()
+    expected = [next(stream).ids.tolist() for _ in range(4)]  # crosses into epoch 1
+    resumed = _class_loader(dataset)
+    resumed.load_state_dict(state)
+    stream2 = iter(resumed)
+    assert [next(stream2).ids.tolist() for _ in range(4)] == expected
+    loader.close()
+    resumed.close()

@@ -124,7 +124,8 @@ def test_a_key_added_at_its_default_renames_no_stage():
     explicit = load_params(PARAMS / "base.yaml", ["train.cooldown_shape=linear"])
     assert params_hash(explicit) == params_hash(p)
     before = to_dict(p)
-    for key in ("cooldown_shape", "cooldown_dropout", "rdrop_alpha"):  # added since c7868a0
+    # added since c7868a0
+    for key in ("cooldown_shape", "cooldown_dropout", "rdrop_alpha", "shape_classes"):
         del before["train"][key]
     del before["average"]["cooldowns"]
     assert params_hash(p) == fingerprint(before) and params_hash(q) != params_hash(p)

@@ -241,7 +241,17 @@ class TrainConfig(Section):
     clip_norm: float = Field(0.0, ge=0.0)  # 0 = no clipping (the paper clips nothing)
     precision: Literal["fp32", "bf16"] = "bf16"  # bf16 autocast, fp32 masters; a CPU without
     # bf16 instructions (AVX512_BF16, AMX) trains in fp32 (transformer/kernels.py)
-    compile: bool = operational(False)  # torch.compile the model, dynamic shapes
+    compile: bool = operational(False)  # torch.compile per layer, and the loss (compiled.py)
+    # Static batch shapes, what torch.compile without recompiling and CUDA-graph capture
+    # need: every training batch padded to one of at most this many (B, S, T) shapes, length
+    # bands chosen from the corpus' lengths, source and target padded apart, a band's last
+    # batch filled with padding rows (transformer/data/batching.py). It pads
+    # more than the length buckets (WMT-like lengths: 16 shapes, 0.87 of the padded tokens
+    # real, against ~270 shapes and 0.94), so it pays only where static shapes make the step
+    # faster. 0: the buckets' batches, each padded to its own longest source and target.
+    # Operational, as max_tokens: it changes how the updates are cut, not the recipe; a
+    # resume across a change continues at the same point of the epoch, with a warning.
+    shape_classes: int = operational(0, added=True, ge=0)
     seed: int = 1
     save_every: int = operational(1000, ge=1)  # steps between checkpoints
     keep_last: int = operational(5, ge=1)  # model snapshots kept for averaging

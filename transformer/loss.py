@@ -142,15 +142,15 @@ def _softmax(z: Tensor, target: Tensor, stats: Tensor, scale: float = 1.0):
     p = z.sub_(m).exp_()  # unnormalised softmax
     total = p.sum(dim=-1, keepdim=True, dtype=torch.float32)  # (c, 1)
     lse = total.log().add_(m).squeeze(1)  # (c,)
-    stats[:3] += torch.stack([lse.sum(), z_y, z_all]).mul_(scale)
+    sums = torch.stack([lse.sum(), z_y, z_all])
+    stats[:3] += sums if scale == 1.0 else sums.mul_(scale)
     return p.div_(total), lse
 
 
 def _smoothed_grad(p: Tensor, target: Tensor, eps: float) -> Tensor:
     """d/dz of (1 - eps) * -log p_y + eps * mean_v(-log p_v) = p - (1 - eps) onehot_y - eps / V,
     in p's memory."""
-    dz = p.sub_(eps / p.size(1))
-    return dz.scatter_add_(1, target[:, None], dz.new_full((len(target), 1), eps - 1.0))
+    return p.sub_(eps / p.size(1)).scatter_(1, target[:, None], eps - 1.0, reduce="add")
 
 
 def _rdrop_chunk(

@@ -153,7 +153,12 @@ class Trainer:
         self.update_freq, micro = batch_plan(cfg.batch_tokens, cfg.max_tokens, env.world_size)
         try:
             sampler = TokenBatchSampler.from_dataset(
-                train, micro, seed=cfg.seed, rank=env.rank, world_size=env.world_size
+                train,
+                micro,
+                seed=cfg.seed,
+                rank=env.rank,
+                world_size=env.world_size,
+                shape_classes=cfg.shape_classes,
             )
         except ValueError as err:
             raise TrainError(f"train split of {shards}: {err}") from None
