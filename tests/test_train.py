@@ -609,6 +609,34 @@ def test_compiled_training_compiles_each_layer_kind_at_most_a_few_times(
     assert 3 <= stats["graphs"] <= 3 + 8, (stats, len(shapes))
 
 
+def test_shape_classes_feed_the_trainer_a_few_static_shapes(
+    tiny_params, tiny_shards, tmp_path, monkeypatch
+):
+    """train.shape_classes=4: every batch of two epochs is one of at most 4 (B, S, T)
+    shapes; the loss and the token counts see the real targets only (padding rows count
+    nothing): the same tokens an epoch as with the length buckets."""
+    shapes, tokens = set(), {}
+    forward_loss = train_module.Trainer.forward_loss
+
+    def record(self, batch):
+        shapes.add((tuple(batch.src.shape), tuple(batch.tgt_in.shape)))
+        return forward_loss(self, batch)
+
+    monkeypatch.setattr(train_module.Trainer, "forward_loss", record)
+    for k in (0, 4):
+        probe = _trainer(
+            tiny_params, tiny_shards, tmp_path / f"probe{k}", f"train.shape_classes={k}"
+        )
+        epoch = probe.loader.sampler.batches_per_rank
+        shapes.clear()
+        run = tmp_path / f"run{k}"
+        assert train(tiny_params, tiny_shards, run, f"train.shape_classes={k}",
+                     f"train.max_steps={epoch}", "train.valid_every=1000") == 0  # fmt: skip
+        tokens[k] = final_state(run)["progress"]["tokens_seen"]
+    assert len({(src[0], src[1], tgt[1]) for src, tgt in shapes}) <= 4, shapes
+    assert tokens[4] == tokens[0]
+
+
 # --------------------------------------------------------------------------- processes
 
 KILL_PARAMS = [
