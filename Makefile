@@ -12,7 +12,7 @@ PARAMS ?= params/smoke.yaml
 WORK   ?= work
 DEMO_ARGS ?=
 
-.PHONY: setup lock demo test test-all lint bench gpu-report gpu-wheels clean
+.PHONY: setup lock demo test test-all lint bench gpu-report gpu-wheels gpu-baseline gpu-proof clean
 
 setup: $(STAMP)
 
@@ -69,6 +69,28 @@ gpu-wheels: setup
 	    --python-version $(GPU_PYTHON) --platform manylinux_2_28_x86_64 \
 	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	    $(foreach p,$(GPU_PACKAGES),$(shell grep -m1 -io '^$(p)==[^ ]*' $(LOCK)))
+
+# The GPU proof (benchmarks/gpu_proof.py): at most 8 minutes on one H100 or H200, phase by
+# phase. Here first, `make gpu-wheels gpu-baseline`: the wheels, the base commit's tree (the
+# "before" of its figures) into .baseline/, and COMMIT (the tree's commit, where .git does not
+# travel); carry .whl, .baseline and COMMIT. There, on the image's python, e.g.
+#   make gpu-proof PYTHON=python3 GPU_PROOF_ARGS="--out $OUT/proof"
+# The wheels go to a folder of their own on PYTHONPATH: the image's site-packages may be
+# read-only.
+BASELINE ?= 6cf3fe3
+GPU_SITE ?= /tmp/site
+gpu-baseline:
+	rm -rf .baseline && mkdir .baseline
+	git archive $(BASELINE) transformer benchmarks params | tar -x -C .baseline
+	git rev-parse --short $(BASELINE) > .baseline/COMMIT
+	printf '%s + %s changed files\n' "$$(git rev-parse --short HEAD)" \
+	    "$$(git status --porcelain | wc -l | tr -d ' ')" > COMMIT
+
+gpu-proof:
+	test ! -d $(WHEELS) || $(PYTHON) -m pip install -q --no-index --no-deps --no-compile \
+	    --no-cache-dir --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl
+	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_proof.py \
+	    $(GPU_PROOF_ARGS)
 
 clean:
 	rm -rf $(WORK)

@@ -9,7 +9,8 @@ output and its own tied embedding matrix; embeddings are scaled by sqrt(D) with 
 positions in all three. So the ratios compare the encoder-decoder stacks. On CUDA the step
 runs in bf16 autocast, as the trainer does (on a CPU with `--precision bf16`), and the table
 adds MFU against PEAK_TFLOPS; all three run under transformer.attention's choice of attention
-kernels.
+kernels. Ours' update goes through transformer.precision.ComputeWeights (bf16 copies of the
+matrix weights, with bf16), as the trainer's does.
 
     python benchmarks/model_step.py                             # smoke and base, CPU
     python benchmarks/model_step.py --configs base,big --max-tokens 8192,32768 --optimizer
@@ -20,6 +21,7 @@ kernels.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import time
 import warnings
@@ -34,6 +36,7 @@ from transformer.config import ModelConfig, Params, load_params
 from transformer.loss import label_smoothed_loss
 from transformer.model import Transformer, sinusoidal
 from transformer.optim import build_optimizer
+from transformer.precision import ComputeWeights
 from transformer.vocab import BOS, EOS, PAD
 
 PARAMS = Path(__file__).resolve().parents[1] / "params"
@@ -170,23 +173,38 @@ def step_flops(model: Transformer, batch: Batch) -> float:
     return float(linear + 12 * d * n_layers * pairs)
 
 
-def make_step(net: nn.Module, optimizer, bf16: bool) -> Callable[[Batch], Tensor]:
-    """One training step as the trainer's forward_loss makes it; returns the summed loss."""
-    device = net.out_weight.device.type
-    autocast = lambda: torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
+def make_step(
+    net: nn.Module, optimizer, bf16: bool, compile_layers: Callable | None = None
+) -> Callable[[Batch], Tensor]:
+    """One training step as the trainer's forward_loss makes it; returns the summed loss.
+    Ours runs as the trainer runs it: forward and backward through ComputeWeights' net (bf16
+    copies of its matrix weights with bf16 on), the loss against the fp32 tied matrix, the
+    gradients back to the fp32 masters, Adam on those, the copies refreshed.
+    `compile_layers` (ours only): compiles, in place, the module
+    that runs the passes (transformer/compiled.py's), and the loss runs compiled."""
+    device, ours = net.out_weight.device.type, isinstance(net, Ours)
+    weights = ComputeWeights(net.model, enabled=bf16) if ours else None
+    forward = net if weights is None else functools.partial(weights.net, project=False)
+    if compile_layers is not None:
+        if not ours:
+            raise ValueError(f"compile_layers: ours only, not {type(net).__name__}")
+        compile_layers(net.model if weights is None else weights.net)
+    compiled = compile_layers is not None  # the loss's chunks too
 
     def step(batch: Batch) -> Tensor:
         src, tgt_in, tgt_out, positions = batch
-        with autocast():
-            hidden = net(src, tgt_in)  # (B, T, D)
-        rows = hidden.flatten(0, 1).index_select(0, positions)  # (N, D)
-        with autocast():
-            loss, _ = label_smoothed_loss(
-                rows, net.out_weight, tgt_out.flatten().index_select(0, positions), 0.1
-            )
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+            hidden = forward(src, tgt_in)  # (B, T, D)
+            rows = hidden.flatten(0, 1).index_select(0, positions)  # (N, D)
+            targets = tgt_out.flatten().index_select(0, positions)
+            loss, _ = label_smoothed_loss(rows, net.out_weight, targets, 0.1, compiled=compiled)
         (loss / positions.numel()).backward()
+        if weights is not None:
+            weights.grads_to_master()
         if optimizer is not None:
             optimizer.step()
+        if weights is not None:
+            weights.refresh()
         net.zero_grad(set_to_none=True)
         return loss.detach()
 

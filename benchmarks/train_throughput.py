@@ -12,12 +12,14 @@ random words with WMT-like lengths (lognormal, mean ~27, at most 250 per side) a
 word-level vocabulary of the params' vocab.size (37k for base and big: WMT14's output
 layer), sharded by the same encode_and_shard. Each case runs in a fresh process, so peak
 memory is its own, under transformer.attention's kernels; the first fifth of the steps
-(warm-up, allocator growth, compilation) is left out of the rates.
+(warm-up, allocator growth, compilation) is left out of the rates. A case's result keeps the
+run's own log lines about compiling and counts torch's recompilation lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -213,8 +215,21 @@ def measure(
             f"case {name} did not finish in {timeout:.0f} s: {progress(err.stderr)}"
         ) from None
     if done.returncode != 0:
-        raise RuntimeError(f"case {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(
+            f"case {name} failed: {cause(done.stderr)}\n{done.stdout[-3000:]}\n"
+            f"{done.stderr[-3000:]}"
+        )
+    return {
+        **json.loads(done.stdout.strip().splitlines()[-1]),
+        "recompiles_logged": done.stderr.count(RECOMPILE),
+    }
+
+
+def cause(stderr: str) -> str:
+    """A failed case's reason in a line: the trainer's "error: ..." line, else the last line
+    (a traceback's exception)."""
+    lines = stderr.strip().splitlines() or ["no output"]
+    return next((x for x in reversed(lines) if x.startswith("error")), lines[-1])[:300]
 
 
 PROGRESS = "progress:"  # a case's stderr line per logging window: what a timeout leaves
@@ -253,12 +268,10 @@ def run_case(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory(dir=args.work) as run_dir, attention_context(device):
         argv = [str(ROOT / args.params), "--data", str(args.shards), "--out", run_dir]
-        with open(os.devnull, "w") as quiet:  # the JSON line must be the last of stdout
-            stdout, sys.stdout = sys.stdout, quiet
-            try:
-                rc = train_main([*argv, *overrides], logger=recorder)
-            finally:
-                sys.stdout = stdout
+        # The run's log (transformer's logging writes to sys.stdout) is kept, not printed:
+        # the JSON line must be the last of stdout.
+        with contextlib.redirect_stdout(io.StringIO()) as log:
+            rc = train_main([*argv, *overrides], logger=recorder)
     if rc != 0:
         raise SystemExit(f"training exited with {rc}")
     steady = recorder.train[len(recorder.train) // 5 :] or recorder.train
@@ -274,7 +287,13 @@ def run_case(args) -> dict:
         "tokens_per_s": tokens / seconds,
         "flops_per_token": flops_per_target_token(params, args.shards),
         "peak_mem_gb": peak_memory_gb(),
+        "compile_log": compile_lines(log.getvalue()),
     }
+
+
+def compile_lines(log: str, most: int = 10) -> list[str]:
+    """The run's own log lines about compiling (torch.compile's time, say), at most `most`."""
+    return [line.strip()[:300] for line in log.splitlines() if "compil" in line.lower()][:most]
 
 
 def progress(stderr: str | bytes | None) -> str:
