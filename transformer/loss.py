@@ -182,7 +182,6 @@ def _rdrop_chunk(
 
 @functools.cache
 def _compiled_chunk():
-    """The chunk's softmax and gradient compiled (train.compile). Shapes: one chunk size,
-    and each batch's last chunk, which automatic dynamic shapes make one graph after the
-    first recompile."""
-    return torch.compile(_chunk, fullgraph=True)
+    """The chunk's softmax and gradient compiled (train.compile), for any number of rows
+    (one chunk size, and each batch's last chunk): one graph (compiled.py)."""
+    return torch.compile(_chunk, fullgraph=True, dynamic=True)
