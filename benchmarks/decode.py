@@ -1,14 +1,17 @@
 """Decoding speed: sentences/s and target tokens/s of beam search with the params' decode
 section (the paper's beam 4, alpha 0.6, input length + 50) against its peers in the same
-run: greedy search, beam search without the key/value cache (the decoder re-run over the
-whole prefix every step), CTranslate2's beam and greedy search on the same weights
-(exported with transformer.export), inputs, batches, beam size and number of threads, and
-Hugging Face's MarianMTModel.generate on the same weights (hf-beam: the model that
-`transformer.export --format huggingface` writes).
+run: the static beam search (beam-static: fixed shapes, a CUDA graph per batch on CUDA;
+beam is the shrinking one: see transformer/search.py), greedy search, beam search without
+the key/value cache (the decoder re-run over the whole prefix every step), CTranslate2's
+beam and greedy search on the same weights (exported with transformer.export), inputs,
+batches, beam size and number of threads, and Hugging Face's MarianMTModel.generate on the
+same weights (hf-beam: the model that `transformer.export --format huggingface` writes).
 
     python benchmarks/decode.py                                  # smoke model, CPU
     python benchmarks/decode.py --configs smoke,base,big --device cuda
     python benchmarks/decode.py --model model.pt --threads 1     # a trained model
+    python benchmarks/decode.py --configs base --device cuda --modes beam,beam-static \
+        --sentences 2000 --ops                                   # and host ops per step
 
 Models have random weights (speed does not depend on them), sources are random token ids
 with WMT-like lengths (lognormal, mean ~27 subwords, tail clipped at 250), batched as
@@ -17,6 +20,9 @@ would end every output at once or never; instead each output ends where its sour
 (EOS is made near-certain there and impossible before), so target lengths are realistic
 (EN-DE subword counts are close) and the report gives their mean. On CUDA the search runs
 in bf16 autocast (CTranslate2: compute type bfloat16).
+
+--ops counts, on the first batch, the aten ops (views excluded) the host issues per decoder
+step of each of our searches (a CUDA graph's replay issues none).
 
 With --model, a trained model file decodes the first --sentences lines of --input, and
 its outputs end where the model ends them; the report also counts the CTranslate2 outputs
@@ -40,6 +46,8 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.config import DecodeConfig, load_params
 from transformer.model import Transformer
@@ -50,17 +58,25 @@ from transformer.vocab import EOS, PAD
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class EndsWithSource:
-    """A model whose outputs end where their sources do: target length = source length."""
+class EndsWithSource(nn.Module):
+    """A model whose outputs end where their sources do: target length = source length.
+    A module, so that .to() and copies take the model along; device ops only (the position
+    may be a device tensor), so that a CUDA graph can replay it."""
 
     def __init__(self, model: Transformer):
+        super().__init__()
         self.model, self.cfg = model, model.cfg
-        self.encode, self.new_cache = model.encode, model.new_cache
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def new_cache(self, max_len: int = 0):
+        return self.model.new_cache(max_len)
 
     def decode(self, tgt_in, memory, src_padding, cache=None):
+        start = 0 if cache is None else cache.length  # before decode(), which may advance it
         logits = self.model.decode(tgt_in, memory, src_padding, cache).float()  # (B, T, V)
-        end = tgt_in.size(1) if cache is None else cache.length  # positions so far
-        made = torch.arange(end - tgt_in.size(1), end, device=logits.device)  # tokens before
+        made = start + torch.arange(tgt_in.size(1), device=logits.device)  # tokens before
         wanted = (~src_padding).sum(1) - 1  # (B',): source subwords
         # Each source row serves B / B' consecutive target rows (beam search's hypotheses).
         wanted = wanted.repeat_interleave(tgt_in.size(0) // wanted.size(0)).unsqueeze(1)
@@ -89,6 +105,47 @@ def even_batches(sources: list[list[int]], max_tokens: int, vocab: int, seed: in
     return out
 
 
+class OpsPerStep(TorchDispatchMode):
+    """Aten ops (views excluded) the host issues, and decoder steps: Transformer.decode()
+    calls, except those a CUDA graph captures, and the graph's replays."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.steps = 0
+        self.patched = [(Transformer, "decode"), (torch.cuda.CUDAGraph, "replay")]
+        self.patched += [(torch.cuda.CUDAGraph, "capture_begin")]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.saved = [getattr(owner, name) for owner, name in self.patched]
+        for (owner, name), method in zip(self.patched, self.saved, strict=True):
+            step = -1 if name == "capture_begin" else 1  # the captured decode() runs nothing
+
+            def counted(*args, method=method, step=step, **kwargs):
+                self.steps += step
+                return method(*args, **kwargs)
+
+            setattr(owner, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for (owner, name), method in zip(self.patched, self.saved, strict=True):
+            setattr(owner, name, method)
+        return super().__exit__(*exc)
+
+
+def ops_per_step(model, sources, cfg: DecodeConfig, mode: str, device: str) -> float:
+    """Host ops per decoder step of `mode` on the first batch, after a warm-up run."""
+    first = [sources[j] for j in next(iter(batch_by_tokens(sources, cfg.max_tokens)))]
+    run(model, first, cfg, mode, device)
+    with OpsPerStep() as counter:
+        run(model, first, cfg, mode, device)
+    return counter.ops / max(counter.steps, 1)
+
+
 def run(model, sources, cfg: DecodeConfig, mode: str, device: str):
     """Seconds, target tokens (EOS included) and the outputs, to decode all sources."""
     if device == "cuda":
@@ -103,6 +160,7 @@ def run(model, sources, cfg: DecodeConfig, mode: str, device: str):
                 model, src, cfg.beam_size, cfg.len_penalty, cfg.max_len_a, cfg.max_len_b,
                 cached=mode != "beam-uncached",
                 early_stop="beam" if mode == "beam-early" else "exact",
+                static=mode == "beam-static",
             )  # fmt: skip
             outs = [h[0].tokens for h in hyps]
         tokens += sum(len(o) + 1 for o in outs)
@@ -188,7 +246,16 @@ def run_marian(marian, sources, cfg: DecodeConfig, fixed: bool, device: str):
     return time.perf_counter() - start, tokens, outputs
 
 
-MODES = ("beam", "beam-early", "greedy", "beam-uncached", "ct2-beam", "ct2-greedy", "hf-beam")
+MODES = (
+    "beam",
+    "beam-static",
+    "beam-early",
+    "greedy",
+    "beam-uncached",
+    "ct2-beam",
+    "ct2-greedy",
+    "hf-beam",
+)
 DIFFERENCES = """\
 ct2-*: CTranslate2. Its length penalty divides by len^alpha (len without EOS), ours by GNMT's
   ((5 + len) / 6)^alpha (len with EOS); its beam search ends a sentence once beam_size
@@ -240,7 +307,8 @@ def bench(name, model: Transformer, sources, pieces, cfg, args, random_weights: 
     print(f"decode: beam size {cfg.beam_size}, alpha {cfg.len_penalty}, max length "
           f"{cfg.max_len_a} * source + {cfg.max_len_b}; seconds: each mode's best of "
           f"{args.repeat} rounds")  # fmt: skip
-    print(f"{'mode':<16}{'seconds':>9}{'sent/s':>9}{'tok/s':>10}{'mean len':>10}")
+    ops = "ops/step" if args.ops else ""
+    print(f"{'mode':<16}{'seconds':>9}{'sent/s':>9}{'tok/s':>10}{'mean len':>10}{ops:>10}")
     modes = args.modes.split(",")
     searcher = EndsWithSource(model) if random_weights else model
     if any(m.startswith("ct2") for m in modes):
@@ -265,18 +333,21 @@ def bench(name, model: Transformer, sources, pieces, cfg, args, random_weights: 
         for mode in modes:
             result = go[mode](sources)  # (seconds, tokens, outputs)
             best[mode] = min(best.get(mode, result), result, key=lambda r: r[0])
+    ours = [m for m in modes if not m.startswith(("ct2", "hf"))]
+    per_step = lambda m: f"{ops_per_step(searcher, sources, cfg, m, args.device):.1f}"
+    ops = {m: per_step(m) for m in ours} if args.ops else {}
     for mode, (seconds, tokens, _) in best.items():
         print(
             f"{mode:<16}{seconds:>9.2f}{len(sources) / seconds:>9.1f}{tokens / seconds:>10.0f}"
-            f"{tokens / len(sources):>10.1f}"
+            f"{tokens / len(sources):>10.1f}{ops.get(mode, ''):>10}"
         )
     compare(best, len(sources), random_weights)
 
 
 def compare(results: dict, n: int, random_weights: bool) -> None:
     """Ours against CTranslate2, mode by mode: speed, and (trained model) equal outputs."""
-    pairs = [("beam", "ct2-beam"), ("beam-early", "ct2-beam"), ("greedy", "ct2-greedy")]
-    pairs += [("beam", "hf-beam"), ("beam-early", "hf-beam")]
+    pairs = [("beam", "ct2-beam"), ("beam-static", "ct2-beam"), ("beam-early", "ct2-beam")]
+    pairs += [("greedy", "ct2-greedy"), ("beam", "hf-beam"), ("beam-early", "hf-beam")]
     pairs = [pair for pair in pairs if set(pair) <= results.keys()]
     for ours, theirs in pairs:
         (ours_s, _, ours_out), (theirs_s, _, theirs_out) = results[ours], results[theirs]
@@ -306,6 +377,9 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     p.add_argument("--max-tokens", type=int, help="source tokens per batch (default: params')")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every mode; the best counts")
+    p.add_argument(
+        "--ops", action="store_true", help="host ops per decoder step of our modes (first batch)"
+    )
     p.add_argument(
         "--threads",
         type=int,

@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_updates
+from test_search import HostReads, batch, real_sources
 from torch.nn.attention import SDPBackend
 
-from transformer import attention
+from transformer import attention, search
 from transformer.checkpoint import STATE_FORMAT, list_files, load_typed
 from transformer.config import ModelConfig
 from transformer.model import Transformer
@@ -254,3 +255,35 @@ def test_two_ranks_over_nccl_equal_one_rank_accumulating(tiny_params, tiny_shard
     assert two["world_size"] == 2 and one["world_size"] == 1
     assert two["progress"]["tokens_seen"] == one["progress"]["tokens_seen"]
     assert_same_updates(two["model"], one["model"], atol=1e-4)  # GPU reductions: not bitwise
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graphs_replay_the_static_search(monkeypatch):
+    """On CUDA the static search replays a CUDA graph for all its steps but the first two:
+    each hypothesis' log-probability is the one the whole prefix gives it, the best
+    hypotheses are the shrinking search's but for bf16's near-ties, and the host reads once
+    per check (every CHECK_EVERY steps)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=2, d_model=64, d_ff=128, n_heads=4, dropout=0.0)
+    model = Transformer(cfg, 40).cuda().eval()
+    with torch.no_grad():  # large weights: outputs that depend more on their context
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 1.0)
+    src = batch(*real_sources(16)).cuda()
+    replays, replay = [], torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(1) or replay(g))
+    with HostReads(monkeypatch) as reads:
+        static = beam_search(model, src, 4, 0.6, 1.0, 40, n_best=2, static=True)
+    monkeypatch.undo()
+    longest = max(len(h.tokens) for hyps in static for h in hyps)
+    assert len(replays) >= longest - 1 > 0  # steps 2.. of at least longest + 1
+    assert reads.count <= (longest + 8) // search.CHECK_EVERY + 5
+    shrinking = beam_search(model, src, 4, 0.6, 1.0, 40, n_best=2, static=False)
+    for row, hyps in zip(src, static, strict=True):
+        for h in hyps:
+            tolerance = 0.1 * (len(h.tokens) + 1)  # as tests/test_gpu.py's
+            assert h.logprob == pytest.approx(rescored(model, row, h.tokens), abs=tolerance)
+    same = sum(a[0].tokens == b[0].tokens for a, b in zip(static, shrinking, strict=True))
+    assert same >= len(static) - 4

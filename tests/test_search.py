@@ -260,22 +260,30 @@ def test_settings_the_search_cannot_honour_are_errors():
 # --------------------------------------------------------------------------- the real model
 
 
-class Ending:
+class Ending(torch.nn.Module):
     """A model whose EOS logit grows by `slope` per target position: random weights alone
-    repeat one token to the length limit, and real searches end at varied lengths."""
+    repeat one token to the length limit, and real searches end at varied lengths. The
+    cache's length is read before decode() (KVCache advances it there; the static cache's
+    is a device tensor that the search advances)."""
 
     def __init__(self, model, slope: float):
-        self.model, self.slope = model, slope
-        self.encode, self.new_cache = model.encode, model.new_cache
+        super().__init__()
+        self.model, self.slope, self.cfg = model, slope, model.cfg
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def new_cache(self, max_len: int = 0):
+        return self.model.new_cache(max_len)
 
     def decode(self, tgt_in, memory, src_padding, cache=None):
+        start = 0 if cache is None else cache.length
         logits = self.model.decode(tgt_in, memory, src_padding, cache)  # (B, T, V)
-        end = tgt_in.size(1) if cache is None else cache.length
-        logits[..., EOS] += self.slope * torch.arange(end - tgt_in.size(1), end)
+        logits[..., EOS] += self.slope * (start + torch.arange(tgt_in.size(1)))
         return logits
 
 
-def tiny_transformer(vocab: int = 40, seed: int = 0) -> Ending:
+def tiny_transformer(vocab: int = 40, seed: int = 0, slope: float = 1.0) -> Ending:
     torch.manual_seed(seed)
     cfg = ModelConfig(n_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
     model = Transformer(cfg, vocab).eval()
@@ -283,7 +291,7 @@ def tiny_transformer(vocab: int = 40, seed: int = 0) -> Ending:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 1.0)
-    return Ending(model, slope=1.0)
+    return Ending(model, slope)
 
 
 def real_sources(n: int = 6, vocab: int = 40) -> list[list[int]]:
@@ -345,18 +353,20 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("search", ["beam", "greedy"])
+@pytest.mark.parametrize("search", ["beam", "beam-static", "greedy"])
 def test_the_search_reads_the_host_once_a_step(search, monkeypatch):
     """One read a step (which sentences are done), and a few a batch: the lengths, the
-    results, and one per compaction of the cache (as its slots double)."""
+    results, and one per compaction of the cache (as its slots double). The static search
+    on a CPU checks for done sentences every step too (tests/test_static_search.py: every
+    few steps, as on CUDA)."""
     model, src = tiny_transformer(), batch(*real_sources(12))
     decode, steps = model.decode, []
     model.decode = lambda *args: steps.append(1) or decode(*args)
     with HostReads(monkeypatch) as reads:
-        if search == "beam":
-            beam_search(model, src, 4, 0.6, 1.0, 5)
-        else:
+        if search == "greedy":
             greedy_search(model, src, 1.0, 5)
+        else:
+            beam_search(model, src, 4, 0.6, 1.0, 5, static=search == "beam-static")
     assert len(steps) >= 8
     assert reads.count <= len(steps) + 3
 
@@ -415,7 +425,8 @@ def test_trained_model_search_equals_the_uncached_reference_on_the_smoke_test_se
 
 def test_decode_benchmark_runs_and_outputs_end_with_their_sources():
     root = ROOT
-    argv = ["--sentences", "8", "--modes", "beam,greedy", "--threads", "1", "--device", "cpu"]
+    argv = ["--sentences", "8", "--modes", "beam,beam-static,greedy", "--threads", "1"]
+    argv += ["--device", "cpu", "--repeat", "1", "--ops"]
     out = subprocess.run(
         [sys.executable, root / "benchmarks/decode.py", *argv],
         capture_output=True,
@@ -426,8 +437,9 @@ def test_decode_benchmark_runs_and_outputs_end_with_their_sources():
     assert out.returncode == 0, out.stderr
     source_len = float(out.stdout.split("mean source length ")[1].split()[0])
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("beam", "greedy"))]
-    assert [r[0] for r in rows] == ["beam", "greedy"]
-    assert all(float(r[-1]) == pytest.approx(source_len, abs=0.051) for r in rows)
+    assert [r[0] for r in rows] == ["beam", "beam-static", "greedy"]
+    assert all(float(r[-2]) == pytest.approx(source_len, abs=0.051) for r in rows)
+    assert all(10 < float(r[-1]) < 200 for r in rows)  # host ops per step
 
 
 def test_decoding_on_cuda_keeps_the_cast_weights_of_autocast():

@@ -1,7 +1,14 @@
-"""The decoder's key/value cache for step-by-step decoding (transformer.search): each
+"""The decoder's key/value caches for step-by-step decoding (transformer.search): each
 `decode()` computes only its new positions, and beam search reorders hypotheses by moving
-small masks, not keys and values. When sentences leave the batch (`Shrink`), the rows of
-those that stay move only where a sentence that left makes room.
+small masks, not keys and values.
+
+- `KVCache` grows and shrinks: when sentences leave the batch (`Shrink`), the rows of those
+  that stay move only where a sentence that left makes room, and it drops the slots no
+  hypothesis sees any more now and then.
+- `StaticKVCache` never changes shape: every buffer is allocated for the whole batch and its
+  longest output before the first step, finished sentences stay, and each step runs the
+  same operations on the same shapes (a CUDA graph replays it; torch.compile compiles it
+  once). The step number is a 0-dim device tensor, never a Python int.
 
 Shapes: B target rows (hypotheses), B' source rows (sentences), g = B / B' rows per
 sentence, h heads, S source length, d_k = D / h.
@@ -69,8 +76,8 @@ class KVCache:
 
     def src_mask(self, padding: Tensor) -> Tensor:
         """The source key mask of every step, additive (kernels.attention adds it faster than
-        it masks): built on the first step, again when sentences leave."""
-        if self._src_mask is None or self._src_mask.size(0) != padding.size(0):
+        it masks): built on the first step, cut with the rows when sentences leave."""
+        if self._src_mask is None:
             self._src_mask = torch.where(padding[:, None, None, :], float("-inf"), 0.0)
         return self._src_mask
 
@@ -116,6 +123,8 @@ class KVCache:
             for entry in self.cross_attn:
                 for name, t in entry.items():
                     entry[name] = shrink.apply(t)
+            if self._src_mask is not None:
+                self._src_mask = shrink.apply(self._src_mask)
         # Compaction costs a host sync and a copy: once 16 positions are in, then each time
         # the slots have doubled since.
         if self.group > 1 and self.filled >= max(2 * self.compacted, 16 * self.group):
@@ -187,3 +196,107 @@ class SelfAttentionKV:
         for half in self.kv:  # (B', h, room, d_k), contiguous
             kept = half.flatten(0, 2).index_select(0, vectors)  # a copy: (B' * h * n, d_k)
             half[:, :, :n] = kept.view(b, h, n, d_k)
+
+
+# The memory-efficient attention kernel (CUDA) pads, at every call, a mask whose strides but
+# the last are not multiples of 8 elements (torch's sdpa preprocess_mask): the static cache's
+# masks are allocated so.
+ALIGN = 8
+
+
+class StaticKVCache:
+    """Keys and values of every decoder layer for a whole batch in buffers of fixed shape, with
+    KVCache's protocol (`length`, `layers()`, `src_mask()`, `reorder()`; per layer `extend()`
+    and `mask`, and the encoder-decoder keys and values filled by the first `decode()`).
+
+    B' sentences of g hypotheses, up to `positions` positions each (BOS included). The slots
+    are laid out as KVCache's before any compaction: BOS in slot 0 (the first step has one
+    row per sentence), then position p >= 1 of row j of its sentence in slot 1 + (p - 1) g + j.
+    Every step attends over all slots (or the first `in_use`), and the additive mask
+    `visible` (B, slots) keeps each row to its own past: 0 there, -inf elsewhere, including
+    the slots not written yet (zeros, so that a hidden slot adds 0, not 0 * garbage). Beam
+    search's reorders gather the mask's rows in place; finished sentences stay.
+
+    `length` is the search's step counter, a 0-dim long tensor that it advances (shared by
+    an ensemble's caches): decode() reads it as the position of the new token, and
+    `layers()` as the row of the slot table. `in_use`: the slots written so far, where the
+    host counts them (eager steps on a CPU, which then attend over those only); None in a
+    CUDA graph or a compiled step, whose shapes must not change.
+    """
+
+    def __init__(
+        self, n_layers: int, sentences: int, group: int, positions: int, length: Tensor, dtype
+    ):
+        dev = length.device
+        self.sentences, self.length, self.in_use = sentences, length, None
+        slots = -(-(1 + (positions - 1) * group) // ALIGN) * ALIGN
+        p, j = torch.arange(positions, device=dev)[:, None], torch.arange(group, device=dev)
+        self.table = ((p - 1) * group + 1 + j).clamp(min=0)  # (positions, g); BOS: slot 0
+        self.visible = torch.full((sentences, slots), float("-inf"), dtype=dtype, device=dev)
+        self.new: Tensor | None = None  # this step's slots (g,)
+        self.mask: Tensor | None = None  # this step's (B', 1, g, slots)
+        self.self_attn = [StaticSelfAttentionKV(self) for _ in range(n_layers)]
+        self.cross_attn: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
+        self._src_mask: Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.visible.size(1) if self.in_use is None else self.in_use
+
+    def src_mask(self, padding: Tensor) -> Tensor:
+        """The additive source key mask (B', 1, 1, S), built once, with aligned strides."""
+        if self._src_mask is None:
+            b, s = padding.shape
+            room = -(-s // ALIGN) * ALIGN
+            mask = self.visible.new_zeros(b, 1, 1, room)[..., :s]
+            self._src_mask = mask.masked_fill_(padding[:, None, None, :], float("-inf"))
+        return self._src_mask
+
+    def layers(self, tgt_in: Tensor, memory: Tensor) -> list[tuple[StaticSelfAttentionKV, dict]]:
+        """The new position's g slots (one per row of a sentence) enter their rows' past;
+        this decode()'s mask is the rows' past."""
+        if tgt_in.size(1) != 1:
+            raise ValueError("a static cache decodes one position per decode()")
+        g = tgt_in.size(0) // memory.size(0)
+        self.new = self.table.index_select(0, self.length.view(1))[0, :g]  # (g,)
+        rows = self.visible.view(self.sentences, g, -1)  # (B', g, slots)
+        rows.scatter_(2, self.new.view(1, g, 1).expand(self.sentences, g, 1), 0.0)
+        self.mask = rows.unsqueeze(1)[..., : self.slots]  # (B', 1, g, slots)
+        return list(zip(self.self_attn, self.cross_attn, strict=True))
+
+    def reorder(self, parents: Tensor, shrink: Shrink | None = None) -> None:
+        """Each new row continues one of its sentence's rows: parents (B', g), its index
+        among them. The rows' masks move, in place once there are g rows per sentence."""
+        if shrink is not None:
+            raise ValueError("a static cache keeps every sentence")
+        slots = self.visible.size(1)
+        rows = self.visible.view(parents.size(0), -1, slots)  # (B', g before, slots)
+        moved = rows.gather(1, parents[..., None].expand(-1, -1, slots)).view(-1, slots)
+        if moved.shape == self.visible.shape:
+            self.visible.copy_(moved)
+        else:  # after the first step: one row per sentence becomes g
+            self.visible = moved
+
+
+class StaticSelfAttentionKV:
+    """One layer's self-attention keys and values (2, B', h, slots, d_k), keys first (as
+    SelfAttentionKV), allocated by the first `extend()`."""
+
+    def __init__(self, cache: StaticKVCache):
+        self.cache = cache
+        self.kv: Tensor | None = None
+
+    @property
+    def mask(self) -> Tensor:
+        return self.cache.mask
+
+    def extend(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new position's keys and values kv (2, B, h, 1, d_k) in its slots, in
+        one copy; return those of all slots, 2 x (B', h, slots, d_k)."""
+        c, (_, b, h, _, d_k) = self.cache, kv.shape
+        if self.kv is None:
+            self.kv = kv.new_zeros(2, c.sentences, h, c.visible.size(1), d_k)
+        g = b // c.sentences
+        new = kv.unflatten(1, (-1, g)).permute(0, 1, 3, 2, 4, 5).flatten(3, 4)  # (2, B', h, g, d_k)
+        self.kv.index_copy_(3, c.new, new)
+        return self.kv[0, :, :, : c.slots], self.kv[1, :, :, : c.slots]

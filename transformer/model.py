@@ -213,8 +213,9 @@ class Transformer(nn.Module):
         """Rows offset .. offset + t - 1 of the position table (T, D). `offset` may be a 0-dim
         device tensor (a decoding step replayed as a CUDA graph): rows by index, no sync."""
         rows = self.sinusoids if pos_table is None else pos_table.weight
-        if isinstance(offset, Tensor):
-            return rows.index_select(0, offset + torch.arange(t, device=offset.device))
+        if isinstance(offset, Tensor):  # a decoding step's one row: no arange
+            index = offset.view(1) if t == 1 else offset + torch.arange(t, device=offset.device)
+            return rows.index_select(0, index)
         if offset + t <= rows.size(0):
             return rows[offset : offset + t]
         if pos_table is not None:
