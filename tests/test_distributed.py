@@ -105,16 +105,18 @@ def test_a_first_batch_of_equal_lengths_does_not_cost_a_second_graph(monkeypatch
 
     # Dynamo decides the graphs; its eager backend saves compiling them.
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", True)  # torch's
     torch._dynamo.reset()
     counters.clear()
     cfg = ModelConfig(n_layers=1, d_model=16, d_ff=32, n_heads=2, dropout=0.0)
     model = Transformer(cfg, vocab_size=50, pad_id=0)
-    net = distribute(model, DistEnv(0, 1, 0, torch.device("cpu")), compile=True)
-    g = torch.Generator().manual_seed(0)
-    for rows, src_len, tgt_len in [(3, 7, 7), (4, 9, 5), (2, 6, 11), (5, 12, 12), (3, 4, 8)]:
-        src = torch.randint(4, 50, (rows, src_len), generator=g)
-        net(src, torch.randint(4, 50, (rows, tgt_len), generator=g), project=False).sum().backward()
+    # From torch's default (a config patch: monkeypatch's undo would delete the setting)
+    with torch.fx.experimental._config.patch(use_duck_shape=True):
+        net = distribute(model, DistEnv(0, 1, 0, torch.device("cpu")), compile=True)
+        g = torch.Generator().manual_seed(0)
+        for rows, src_len, tgt_len in [(3, 7, 7), (4, 9, 5), (2, 6, 11), (5, 12, 12), (3, 4, 8)]:
+            src = torch.randint(4, 50, (rows, src_len), generator=g)
+            tgt = torch.randint(4, 50, (rows, tgt_len), generator=g)
+            net(src, tgt, project=False).sum().backward()
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
