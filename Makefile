@@ -45,16 +45,16 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 bench: setup
-	$(BIN)/python benchmarks/model_step.py
-	$(BIN)/python benchmarks/data_pipeline.py
-	$(BIN)/python benchmarks/train_throughput.py
-	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python -m benchmarks.model_step
+	$(BIN)/python -m benchmarks.data_pipeline
+	$(BIN)/python -m benchmarks.train_throughput
+	$(BIN)/python -m benchmarks.decode
 
 # On a GPU machine whose CUDA PyTorch is already installed (an NGC container): no setup, no
 # torch reinstall; the machine's python. Writes benchmarks/results/<date>-<gpu>/report.{md,json}.
 gpu-report:
 	test ! -d $(WHEELS) || $(PYTHON) -m pip install -q --no-index --no-deps $(WHEELS)/*.whl
-	$(PYTHON) benchmarks/gpu_report.py $(GPU_REPORT_ARGS)
+	$(PYTHON) -m benchmarks.gpu_report $(GPU_REPORT_ARGS)
 
 # What such an image lacks (pydantic; CTranslate2 and sacremoses, the peers), as the
 # lock's versions for its Python, into an ignored folder to carry to a machine with no
@@ -70,10 +70,10 @@ gpu-wheels: setup
 	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	    $(foreach p,$(GPU_PACKAGES),$(shell grep -m1 -io '^$(p)==[^ ]*' $(LOCK)))
 
-# The GPU proof (benchmarks/gpu_proof.py): at most 8 minutes on one H100 or H200, phase by
-# phase. Here first, `make gpu-wheels gpu-baseline`: the wheels, the base commit's tree (the
-# "before" of its figures) into .baseline/, and COMMIT (the tree's commit, where .git does not
-# travel); carry .whl, .baseline and COMMIT. There, on the image's python, e.g.
+# The GPU proof (benchmarks/gpu_report/proof.py): at most 8 minutes on one H100 or H200,
+# phase by phase. Here first, `make gpu-wheels gpu-baseline`: the wheels, the base commit's
+# tree (the "before" of its figures) into .baseline/, and COMMIT (the tree's commit, where
+# .git does not travel); carry .whl, .baseline and COMMIT. There, on the image's python, e.g.
 #   make gpu-proof PYTHON=python3 GPU_PROOF_ARGS="--out $OUT/proof"
 # The wheels go to a folder of their own on PYTHONPATH: the image's site-packages may be
 # read-only.
@@ -89,8 +89,8 @@ gpu-baseline:
 gpu-proof:
 	test ! -d $(WHEELS) || $(PYTHON) -m pip install -q --no-index --no-deps --no-compile \
 	    --no-cache-dir --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl
-	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_proof.py \
-	    $(GPU_PROOF_ARGS)
+	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m benchmarks.gpu_report \
+	    --plan proof $(GPU_PROOF_ARGS)
 
 clean:
 	rm -rf $(WORK)

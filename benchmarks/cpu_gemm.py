@@ -2,7 +2,7 @@
 PyPI wheels) beside oneDNN (the library torch also ships, and CTranslate2 uses on AMD
 CPUs), on the shapes that this project's small models run, in the same process.
 
-    python benchmarks/cpu_gemm.py --threads 1
+    python -m benchmarks.cpu_gemm --threads 1
 
 MKL picks its kernels by CPU vendor; on an AMD CPU it may not run its AVX-512 ones, while
 oneDNN does. oneDNN is called here as torch.compile's CPU backend calls it (a weight packed

@@ -4,7 +4,7 @@ The corpus is Multi30k scaled up: pair k joins two random Multi30k pairs ("a. b.
 sides), which gives WMT14-like lengths (~25 words a side) and pairs that dedup cannot
 collapse. The vocabulary (8k BPE) is learned once on Multi30k's training side.
 
-    .venv/bin/python benchmarks/data_pipeline.py --pairs 1000000 --workers 0 --compare
+    .venv/bin/python -m benchmarks.data_pipeline --pairs 1000000 --workers 0 --compare
 
 Peak memory is the RSS of this process and its children, summed and sampled every 50 ms.
 """
@@ -31,7 +31,7 @@ from transformer.config import CleanConfig, ShardConfig, VocabConfig
 from transformer.data.batching import ShardDataset, TokenBatchSampler
 from transformer.data.clean import clean_corpus
 from transformer.data.shard import encode_and_shard, verify_shards
-from transformer.vocab import learn_vocab
+from transformer.data.vocab import learn_vocab
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 WMT14_PAIRS = 4_500_000

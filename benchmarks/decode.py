@@ -1,16 +1,16 @@
 """Decoding speed: sentences/s and target tokens/s of beam search with the params' decode
 section (the paper's beam 4, alpha 0.6, input length + 50) against its peers in the same
 run: the static beam search (beam-static: fixed shapes, a CUDA graph per batch on CUDA;
-beam is the shrinking one: see transformer/search.py), greedy search, beam search without
+beam is the shrinking one: see transformer/decoding/search.py), greedy search, beam search without
 the key/value cache (the decoder re-run over the whole prefix every step), CTranslate2's
 beam and greedy search on the same weights (exported with transformer.export), inputs,
 batches, beam size and number of threads, and Hugging Face's MarianMTModel.generate on the
 same weights (hf-beam: the model that `transformer.export --format huggingface` writes).
 
-    python benchmarks/decode.py                                  # smoke model, CPU
-    python benchmarks/decode.py --configs smoke,base,big --device cuda
-    python benchmarks/decode.py --model model.pt --threads 1     # a trained model
-    python benchmarks/decode.py --configs base --device cuda --modes beam,beam-static \
+    python -m benchmarks.decode                                   # smoke model, CPU
+    python -m benchmarks.decode --configs smoke,base,big --device cuda
+    python -m benchmarks.decode --model model.pt --threads 1     # a trained model
+    python -m benchmarks.decode --configs base --device cuda --modes beam,beam-static \
         --sentences 2000 --ops                                   # and host ops per step
 
 Models have random weights (speed does not depend on them), sources are random token ids
@@ -50,10 +50,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.config import DecodeConfig, load_params
-from transformer.model import Transformer
-from transformer.search import beam_search, greedy_search
-from transformer.translate import batch_by_tokens, load_translator, pad_batch
-from transformer.vocab import EOS, PAD
+from transformer.decoding.search import beam_search, greedy_search
+from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
+from transformer.nn.model import Transformer
+from transformer.tokens import EOS, PAD
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,8 +146,9 @@ def ops_per_step(model, sources, cfg: DecodeConfig, mode: str, device: str) -> f
     return counter.ops / max(counter.steps, 1)
 
 
-def run(model, sources, cfg: DecodeConfig, mode: str, device: str):
-    """Seconds, target tokens (EOS included) and the outputs, to decode all sources."""
+def run(model, sources, cfg: DecodeConfig, mode: str, device: str, restrict_attention=True):
+    """Seconds, target tokens (EOS included) and the outputs, to decode all sources;
+    `restrict_attention=False`: beam search under torch's own attention kernels."""
     if device == "cuda":
         torch.cuda.synchronize()
     start, tokens, outputs = time.perf_counter(), 0, [[] for _ in sources]
@@ -160,7 +161,7 @@ def run(model, sources, cfg: DecodeConfig, mode: str, device: str):
                 model, src, cfg.beam_size, cfg.len_penalty, cfg.max_len_a, cfg.max_len_b,
                 cached=mode != "beam-uncached",
                 early_stop="beam" if mode == "beam-early" else "exact",
-                static=mode == "beam-static",
+                static=mode == "beam-static", restrict_attention=restrict_attention,
             )  # fmt: skip
             outs = [h[0].tokens for h in hyps]
         tokens += sum(len(o) + 1 for o in outs)
@@ -175,7 +176,7 @@ def ctranslate2_translator(model: Transformer, pieces: list[str], device: str):
     """A ctranslate2.Translator of the same weights, with as many threads as torch."""
     import ctranslate2
 
-    from transformer.export import write_ctranslate2
+    from transformer.decoding.export import write_ctranslate2
 
     with tempfile.TemporaryDirectory() as tmp:
         write_ctranslate2(model, pieces, Path(tmp))
@@ -213,7 +214,7 @@ def run_ctranslate2(translator, sources, pieces, cfg: DecodeConfig, mode: str, f
 def marian_generator(model: Transformer, cfg: DecodeConfig, device: str):
     """Hugging Face's MarianMTModel with the same weights (transformer.export's mapping,
     what `--format huggingface` writes), in bf16 on CUDA."""
-    from transformer.export import marian_model
+    from transformer.decoding.export import marian_model
 
     marian = marian_model(model, cfg).to(device).eval()
     return marian.to(torch.bfloat16) if device == "cuda" else marian
@@ -280,7 +281,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
 
 def bench_model(path: Path, args: argparse.Namespace) -> None:
     """A trained model file on the first --sentences lines of --input."""
-    from transformer.export import vocabulary
+    from transformer.decoding.export import vocabulary
 
     model, sp, params = load_translator(path, args.device)
     lines = [line for line in Path(args.input).read_text().splitlines() if line.strip()]

@@ -1,20 +1,20 @@
-"""Training-step throughput of transformer.model beside torch.nn.Transformer and Hugging
+"""Training-step throughput of transformer.nn.model beside torch.nn.Transformer and Hugging
 Face's MarianMTModel of the same dimensions.
 
 A step is forward, the label-smoothed loss, backward (with --optimizer also the trainer's
 Adam update) on synthetic batches shaped like WMT14 EN-DE training batches. The three models
-get the same batches and the same loss, the trainer's (transformer.loss: the output
+get the same batches and the same loss, the trainer's (transformer.nn.loss: the output
 projection fused with the loss over the non-pad targets), fed with each model's decoder
 output and its own tied embedding matrix; embeddings are scaled by sqrt(D) with sinusoidal
 positions in all three. So the ratios compare the encoder-decoder stacks. On CUDA the step
 runs in bf16 autocast, as the trainer does (on a CPU with `--precision bf16`), and the table
-adds MFU against PEAK_TFLOPS; all three run under transformer.attention's choice of attention
-kernels. Ours' update goes through transformer.precision.ComputeWeights (bf16 copies of the
+adds MFU against PEAK_TFLOPS; all three run under transformer.nn.attention's choice of attention
+kernels. Ours' update goes through transformer.training.precision.ComputeWeights (bf16 copies of the
 matrix weights, with bf16), as the trainer's does.
 
-    python benchmarks/model_step.py                             # smoke and base, CPU
-    python benchmarks/model_step.py --configs base,big --max-tokens 8192,32768 --optimizer
-    python benchmarks/model_step.py --configs multi30k --max-tokens 2048 --optimizer \
+    python -m benchmarks.model_step                             # smoke and base, CPU
+    python -m benchmarks.model_step --configs base,big --max-tokens 8192,32768 --optimizer
+    python -m benchmarks.model_step --configs multi30k --max-tokens 2048 --optimizer \
         --precision bf16                                        # a CPU with bf16 instructions
 """
 
@@ -31,26 +31,23 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from transformer.attention import attention_context
+from benchmarks.measure import PEAK_TFLOPS, failure, sync
 from transformer.config import ModelConfig, Params, load_params
-from transformer.loss import label_smoothed_loss
-from transformer.model import Transformer, sinusoidal
-from transformer.optim import build_optimizer
-from transformer.precision import ComputeWeights
-from transformer.vocab import BOS, EOS, PAD
+from transformer.nn.attention import attention_context
+from transformer.nn.loss import label_smoothed_loss
+from transformer.nn.model import Transformer, sinusoidal
+from transformer.tokens import BOS, EOS, PAD
+from transformer.training.optim import build_optimizer
+from transformer.training.precision import ComputeWeights
 
 PARAMS = Path(__file__).resolve().parents[1] / "params"
-# MFU's reference (issue #11's): about what a large bf16 product reaches on one H100 SXM
-# (an 8192^3 product: ~790-800 TFLOP/s). The data sheet's dense bf16 peak is 989, against
-# which every MFU here would read 0.8x as high.
-PEAK_TFLOPS = 790.0
 PEERS = ("ours", "torch", "marian")
 # src (B, S), tgt_in (B, T), tgt_out (B, T), flat indices of the non-pad targets (N,)
 Batch = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 class Ours(nn.Module):
-    """transformer.model, returning the decoder's output as the trainer's loss takes it."""
+    """transformer.nn.model, returning the decoder's output as the trainer's loss takes it."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
@@ -106,7 +103,7 @@ class Marian(nn.Module):
         super().__init__()
         from transformers import MarianMTModel
 
-        from transformer.export import marian_config
+        from transformer.decoding.export import marian_config
 
         with torch.device("meta"):  # marian_config reads the sizes off a model
             shape = Transformer(cfg, vocab_size, PAD)
@@ -181,7 +178,7 @@ def make_step(
     copies of its matrix weights with bf16 on), the loss against the fp32 tied matrix, the
     gradients back to the fp32 masters, Adam on those, the copies refreshed.
     `compile_layers` (ours only): compiles, in place, the module
-    that runs the passes (transformer/compiled.py's), and the loss runs compiled."""
+    that runs the passes (transformer/training/compiled.py's), and the loss runs compiled."""
     device, ours = net.out_weight.device.type, isinstance(net, Ours)
     weights = ComputeWeights(net.model, enabled=bf16) if ours else None
     forward = net if weights is None else functools.partial(weights.net, project=False)
@@ -235,22 +232,6 @@ def time_steps(steps: dict[str, Callable], batches: list[Batch], warmup: int, de
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return seconds
-
-
-def failure(err: Exception, batch: Batch | None = None) -> str:
-    """A row's status for a peer that raised `err` (at `batch`, if in a step)."""
-    if isinstance(err, torch.cuda.OutOfMemoryError) and batch is not None:
-        return f"failed: out of memory at {batch[0].numel()} padded source tokens"
-    return f"failed: {type(err).__name__}: {first_line(err)}"
-
-
-def first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else ""
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def build(label: str, params: Params, device: torch.device, seed: int) -> nn.Module:
@@ -396,7 +377,7 @@ def main() -> None:
         "--precision",
         choices=("fp32", "bf16"),
         help="bf16: autocast, as the trainer's train.precision (default: bf16 on GPU, fp32 on "
-        "CPU, where it pays only with bf16 instructions: transformer.kernels.CPU_BF16)",
+        "CPU, where it pays only with bf16 instructions: transformer.nn.kernels.CPU_BF16)",
     )
     args = p.parse_args()
     device = torch.device(args.device)

@@ -1,17 +1,17 @@
-"""Training throughput of the real loop (all of `transformer.train.main` in one process: data
+"""Training throughput of the real loop (all of `python -m transformer.train` in one process: data
 loading, the step, logging): steady-state target tokens/s, step time, peak memory, and on a
 GPU the model FLOP utilisation against a 790 TFLOP/s bf16 peak.
 
-    python benchmarks/train_throughput.py                      # CPU: smoke, 1 vs 2 passes
-    python benchmarks/train_throughput.py --steps 200          # GPU: base/big, bf16/fp32, compile
-    python benchmarks/train_throughput.py --corpus synthetic   # anywhere: no corpus needed
+    python -m benchmarks.train_throughput                      # CPU: smoke, 1 vs 2 passes
+    python -m benchmarks.train_throughput --steps 200          # GPU: base/big, bf16/fp32, compile
+    python -m benchmarks.train_throughput --corpus synthetic   # anywhere: no corpus needed
 
 The corpus goes through the pipeline's own stages once, cached under --work: Multi30k (the
 default, ../shared/data/multi30k) through prepare, clean, BPE and shard; `synthetic` is
 random words with WMT-like lengths (lognormal, mean ~27, at most 250 per side) and a
 word-level vocabulary of the params' vocab.size (37k for base and big: WMT14's output
 layer), sharded by the same encode_and_shard. Each case runs in a fresh process, so peak
-memory is its own, under transformer.attention's kernels; the first fifth of the steps
+memory is its own, under transformer.nn.attention's kernels; the first fifth of the steps
 (warm-up, allocator growth, compilation) is left out of the rates. A case's result keeps the
 run's own log lines about compiling and counts torch's recompilation lines.
 """
@@ -35,13 +35,11 @@ import pyarrow.parquet as pq
 import sentencepiece as spm
 import torch
 
+from benchmarks.measure import PEAK_TFLOPS
+from transformer.config import Params, ShardConfig, load_params
+from transformer.tokens import BOS, EOS, PAD, UNK
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from transformer.config import Params, ShardConfig, load_params  # noqa: E402
-from transformer.vocab import BOS, EOS, PAD, UNK  # noqa: E402
-
-PEAK_FLOPS = 790e12  # MFU's reference: model_step.PEAK_TFLOPS says why
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 # name: (params file, overrides). A peer pair differs in one setting, measured side by side.
 CPU_CASES = {
@@ -105,7 +103,7 @@ def prepare_shards(corpus: Path, work: Path, vocab: int) -> Path:
     from transformer.data.clean import clean_corpus
     from transformer.data.shard import encode_and_shard
     from transformer.data.sources import prepare_source
-    from transformer.vocab import learn_vocab
+    from transformer.data.vocab import learn_vocab
 
     out = work / f"shards-{corpus.name}-{vocab}"
     if (out / "manifest.json").is_file():
@@ -202,7 +200,8 @@ def measure(
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("TORCH_LOGS", "recompiles")  # torch.compile's, counted on a timeout
-    cmd = [sys.executable, __file__, "--case", name, "--params", params_file]
+    cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--case", name]
+    cmd += ["--params", params_file]
     cmd += ["--shards", str(shards), "--work", str(work), "--steps", str(steps)]
     cmd += ["--overrides", *overrides]
     Path(work).mkdir(parents=True, exist_ok=True)
@@ -250,7 +249,7 @@ class Recorder:
 
 
 def run_case(args) -> dict:
-    from transformer.attention import attention_context
+    from transformer.nn.attention import attention_context
     from transformer.train import main as train_main
 
     steps, window = args.steps, max(1, args.steps // 10)
@@ -369,7 +368,7 @@ def print_table(rows: list[dict], args) -> None:
                 f"{r['step_time']:.4f}",
                 f"{r['tokens_per_s']:,.0f}",
                 f"{tflops:.3f}",
-                f"{tflops * 1e12 / PEAK_FLOPS:.1%}" if gpu else "-",
+                f"{tflops / PEAK_TFLOPS:.1%}" if gpu else "-",
                 f"{r['peak_mem_gb']:.2f} GB" + ("" if gpu else " RSS"),
             ]
         )

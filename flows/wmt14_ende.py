@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 # The temporary local API gets 20 s to start by default: too little on a busy 2-core box.
@@ -36,30 +35,29 @@ from prefect.states import Failed
 from flows.local_api import LocalApiError, local_api
 from tasks.publish import publish, summary_lines
 from tasks.runner import USER_ERROR, run_stage, user_failure
-from tasks.settings import experiment_name, load_run_params, tracking_uri
+from tasks.settings import RunParams, experiment_name, load_run_params, tracking_uri
 from tasks.stages import STAGES
 from tasks.tracking import client_for, experiment_id, finish_run, mark_failed, open_parent_run
 from transformer.cli import ArgumentParser
 from transformer.config import ParamsError, params_hash, to_yaml
-from transformer.files import PARAMS, atomic_write
+from transformer.files import PARAMS, atomic_write, locked
 
 logging.getLogger("transformer").setLevel(logging.INFO)
 
 
 @task(name="open-run", persist_result=False, cache_policy=NO_CACHE)
-def open_run(params_path: str, overrides: list[str], work_dir: str):
-    """Write the resolved params down and open (or resume) the MLflow run of their hash."""
+def open_run(params: RunParams, key: str, stem: str, work_dir: str):
+    """Write the resolved params down and open (or resume) the MLflow run of their hash
+    `key`; `stem`: the params file's name, which names the run and its registered model."""
     try:
-        params = load_run_params(params_path, overrides)
         work = Path(work_dir)
-        text = to_yaml(params)
-        params_file = atomic_write(work / "runs" / params_hash(params) / PARAMS, text)
+        params_file = atomic_write(work / "runs" / key / PARAMS, to_yaml(params))
         uri = tracking_uri(params, work)
-        with locked(work / ".mlflow.lock"):  # two new flows must not both create the store
+        store = work / ".mlflow.lock"
+        with locked(store, waiting(store)):  # two new flows must not both create the store
             client = client_for(uri)
             exp = experiment_id(client, experiment_name(params), uri, work)
-            name = f"{Path(params_path).stem}-{params_hash(params)[:8]}"
-            run_id = open_parent_run(client, exp, params, params_file, name)
+            run_id = open_parent_run(client, exp, params, key, params_file, f"{stem}-{key[:8]}")
     except Exception as err:
         return user_failure("open-run", err)
     return {
@@ -68,8 +66,7 @@ def open_run(params_path: str, overrides: list[str], work_dir: str):
         "uri": uri,
         "run_id": run_id,
         "experiment_id": exp,
-        "registered_model": params.pipeline.registered_model
-        or f"{experiment_name(params)}-{Path(params_path).stem}",
+        "registered_model": params.pipeline.registered_model or f"{experiment_name(params)}-{stem}",
     }
 
 
@@ -82,28 +79,32 @@ def wmt14_ende(
 ):
     """The whole pipeline for one params file. `refresh` recomputes every stage (scheduled
     retraining); otherwise finished stages are reused, and a killed training resumes."""
-    overrides = list(overrides or [])
     try:
-        resolved = load_run_params(params, overrides)
+        # Read and validated here, once: every task gets the tree, none reads the file.
+        resolved = load_run_params(params, list(overrides or []))
+        key = params_hash(resolved)
         work = Path(work_dir).resolve()
         # One flow per params in a work dir: a second one waits, then finds the stages done.
-        with locked(work / "runs" / f".{params_hash(resolved)}.lock"):
-            return run_stages(params, overrides, work, refresh)
+        lock = work / "runs" / f".{key}.lock"
+        with locked(lock, waiting(lock)):
+            return run_stages(resolved, key, Path(params).stem, work, refresh)
     except Exception as err:
         return user_failure("wmt14-ende", err)
 
 
-def run_stages(params: str, overrides: list[str], work: Path, refresh: bool):
-    opened = open_run(params, overrides, str(work), return_state=True)
+def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool):
+    opened = open_run(params, key, stem, str(work), return_state=True)
     if opened.name == USER_ERROR:  # a state of its own: a task's would count as "1 failed"
         return Failed(name=USER_ERROR, message=opened.message)
     run = opened.result()
     records: dict[str, dict] = {}
     try:
         for stage in STAGES:  # the DAG, in order: tasks/stages.py
-            upstream = {name: records[name] for name in stage.inputs}
+            if stage.asked is not None and not stage.asked(params):
+                continue  # no record: the stages that read it leave it out
+            upstream = {name: records[name] for name in stage.inputs if name in records}
             state = run_stage.with_options(name=stage.name)(
-                stage.name, run, upstream, refresh, return_state=True
+                stage.name, params, run, upstream, refresh, return_state=True
             )
             if state.name == USER_ERROR:
                 mark_failed(run)
@@ -117,17 +118,9 @@ def run_stages(params: str, overrides: list[str], work: Path, refresh: bool):
     return summary
 
 
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path` for the block; wait (saying so) if another flow holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another flow, which holds {path}", flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+def waiting(lock: Path) -> Callable[[], None]:
+    """What a flow says when another holds `lock` (transformer.files.locked)."""
+    return lambda: print(f"waiting for another flow, which holds {lock}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
     parser.add_argument("--refresh", action="store_true", help="recompute every stage")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --work-dir
-    try:  # fail fast, before Prefect starts, with the one-line params error
+    # Fail fast, before Prefect starts, with the one-line params error. The flow reads the
+    # file again (a deployment starts it with the file's path, not with a tree).
+    try:
         load_run_params(args.params, args.overrides)
     except ParamsError as err:
         print(f"error: {err}".replace("\n", "; "), file=sys.stderr)

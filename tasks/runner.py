@@ -10,10 +10,8 @@ second flow on the same work dir waits for the first and then reuses its output.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -26,14 +24,12 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed, State
 
-from tasks.settings import load_run_params
+from tasks.settings import RunParams
 from tasks.stages import BY_NAME, Stage, StageRun, stage_key
 from tasks.tracking import client_for, log_metrics, numbers, stage_run
-from transformer.checkpoint import CheckpointError
-from transformer.config import ParamsError, fingerprint
-from transformer.data import DataError
-from transformer.files import STAGE_RECORD, atomic_write, remove_leftovers
-from transformer.vocab import VocabError
+from transformer.cli import USER_ERRORS, UserError
+from transformer.config import fingerprint
+from transformer.files import STAGE_RECORD, atomic_write, locked, remove_leftovers
 
 RECORD_FORMAT = "transformer-mt/stage/1"
 USER_ERROR = "UserError"  # the name of a Failed state whose message is the whole story
@@ -52,26 +48,26 @@ class _NoEmptyTraceback(logging.Filter):
 logging.getLogger("prefect.task_runs").addFilter(_NoEmptyTraceback())
 
 
-class RecordError(RuntimeError):
+class RecordError(UserError, RuntimeError):
     """A stage.json that does not describe its folder: tampered with, or of another stage."""
 
 
 def is_user_error(err: BaseException) -> bool:
     """Errors of input, params, files, disk or permissions (their message names the
-    culprit): one line for the user. Anything else is a bug and keeps its traceback."""
-    known = (ParamsError, DataError, VocabError, CheckpointError, RecordError, OSError)
-    return isinstance(err, known) or getattr(err, "user_error", False)
+    culprit), the library's or a trainer's that exited with one: one line for the user.
+    Anything else is a bug and keeps its traceback."""
+    return isinstance(err, USER_ERRORS) or getattr(err, "user_error", False)
 
 
 @task(persist_result=False, cache_policy=NO_CACHE)
-def run_stage(name: str, run: dict, upstream: dict[str, dict], refresh: bool):
-    """`run`: the pipeline run (params_file, work_dir, uri, run_id); `upstream`: the
-    records of the stages this one reads. Returns this stage's record (Cached if reused),
-    or a Failed state with a one-line message for a user error."""
+def run_stage(name: str, params: RunParams, run: dict, upstream: dict[str, dict], refresh: bool):
+    """`params`: the run's params, as the flow read them; `run`: the pipeline run
+    (params_file, work_dir, uri, run_id); `upstream`: the records of the stages this one
+    reads (less those the params do not ask for). Returns this stage's record (Cached if
+    reused), or a Failed state with a one-line message for a user error."""
     stage, log = BY_NAME[name], get_run_logger()
     try:
-        params = load_run_params(run["params_file"])
-        inputs = {n: upstream[n]["fingerprint"] for n in stage.inputs}
+        inputs = {n: record["fingerprint"] for n, record in upstream.items()}
         key = stage_key(stage, params, inputs)  # reads the inputs from outside: may fail
         out = Path(run["work_dir"]) / stage.name / key
         with folder_lock(out, log):
@@ -101,13 +97,15 @@ def user_failure(where: str, err: Exception) -> State:
     return Failed(name=USER_ERROR, message=f"{where}: {message}")
 
 
-def execute(stage: Stage, params, run: dict, upstream: dict, key: str, out: Path) -> dict:
+def execute(
+    stage: Stage, params: RunParams, run: dict, upstream: dict, key: str, out: Path
+) -> dict:
     """Run the stage's function in a child MLflow run; record and return what it made."""
     client = client_for(run["uri"])
     with stage_run(client, run["run_id"], stage.name) as child:
         r = StageRun(
             params=params,
-            inputs={n: Path(upstream[n]["path"]) for n in stage.inputs},
+            inputs={n: Path(record["path"]) for n, record in upstream.items()},
             out=out,
             params_file=Path(run["params_file"]),
             tracking={**run, "stage_run_id": child},
@@ -138,7 +136,7 @@ def write_record(stage: Stage, key: str, upstream: dict, report: dict, out: Path
         "key": key,
         "path": str(out),
         "fingerprint": key if output is None else fingerprint(key, output),
-        "inputs": {n: upstream[n]["fingerprint"] for n in stage.inputs},
+        "inputs": {n: record["fingerprint"] for n, record in upstream.items()},
         "report": report,
         "files": _listing(out),
     }
@@ -189,14 +187,8 @@ def _jsonable(report: Any) -> dict:
 @contextmanager
 def folder_lock(out: Path, log) -> Iterator[None]:
     """One runner per stage folder, across processes; leftovers of killed runs go first."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("another flow is building %s: waiting for it", out)
-            fcntl.flock(f, fcntl.LOCK_EX)
+    waiting = lambda: log.info("another flow is building %s: waiting for it", out)
+    with locked(out.parent / f".{out.name}.lock", waiting):
         for leftover in remove_leftovers(out):
             log.info("removed %s, left by a killed run", leftover)
-        os.utime(f.name)
         yield

@@ -23,13 +23,13 @@ from mlflow.pyfunc import PythonModel
 
 class Translator(PythonModel):
     def load_context(self, context) -> None:
-        from transformer.translate import load_translator
+        from transformer.decoding.translate import load_translator
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.sp, self.params = load_translator(context.artifacts["model"], self.device)
 
     def predict(self, context, model_input, params=None) -> list[str]:
-        from transformer.translate import translate_lines
+        from transformer.decoding.translate import translate_lines
 
         column = model_input.iloc[:, 0] if hasattr(model_input, "iloc") else model_input
         lines = [str(line) for line in column]

@@ -2,9 +2,10 @@
 
 Each row names a stage, the params sections whose identity decides its output, the stages
 whose outputs it reads, and the library function that does the work. From the table follow
-the flow (flows/wmt14_ende.py runs the rows in order), the folder layout, reuse, and the
-MLflow child runs (tasks/runner.py). A new stage is one row here and one library
-function; a new params section for it, if it needs one, goes in transformer/config.py.
+the flow (flows/wmt14_ende.py runs the rows the params ask for, in order), the folder
+layout, reuse, and the MLflow child runs (tasks/runner.py). A new stage is one row here and
+one library function; a new params section for it, if it needs one, goes in
+transformer/config.py.
 
 A stage writes into `<work>/<stage>/<key>`; the key hashes the identity of its params
 sections (config.operational keys left out), the fingerprints of its inputs' outputs, and,
@@ -25,14 +26,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from tasks.settings import RunParams
-from tasks.train import launch_training, train_cooldowns, training_request
-from transformer.average import export_average
+from tasks.train import cooldown_runs, launch_training, train_cooldowns, trained, training_request
 from transformer.config import fingerprint, identity
 from transformer.data.clean import clean_corpus
 from transformer.data.shard import encode_and_shard
 from transformer.data.sources import input_fingerprints, prepare_source
-from transformer.evaluate import decode_and_score, reference_fingerprints
-from transformer.export import export_formats
+from transformer.data.vocab import learn_vocab
+from transformer.decoding.evaluate import decode_and_score, reference_fingerprints
+from transformer.decoding.export import export_formats
 from transformer.files import (
     CLEAN_REPORT,
     MANIFEST,
@@ -42,7 +43,7 @@ from transformer.files import (
     SPM_MODEL,
     hypotheses,
 )
-from transformer.vocab import learn_vocab
+from transformer.training.average import export_average
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ class Stage:
     # What of the stage's report downstream stages depend on (training: the step reached
     # and the snapshots kept), hashed into its fingerprint; None: the key says it all.
     output: Callable[[dict], Any] | None = None
+    # Whether the params ask for the stage at all; None: always. One not asked for has no
+    # folder, MLflow run or record, and is no part of its readers' keys: a stage that only
+    # a later key's non-default value asks for renames no folder made before it existed.
+    asked: Callable[[RunParams], bool] | None = None
 
 
 STAGES: tuple[Stage, ...] = (
@@ -91,11 +96,15 @@ STAGES: tuple[Stage, ...] = (
           artifacts=(MANIFEST,)),
     Stage("train", ("model", "train"), ("shards",), launch_training,
           satisfied=lambda p, record: record["report"]["request"] == training_request(p),
-          output=lambda report: {k: report[k] for k in ("step", "snapshots")}),
-    Stage("average", ("average",), ("train", "shards"),
+          output=trained),
+    Stage("cooldowns", ("average.cooldowns",), ("train", "shards"), train_cooldowns,
+          output=lambda report: {name: trained(run) for name, run in report.items()},
+          asked=lambda p: p.average.cooldowns > 1),
+    Stage("average", ("average",), ("train", "cooldowns", "shards"),
           lambda r: export_average(r.inputs["train"], r.params.average, r.out / MODEL,
                                    max_step=r.params.train.max_steps,
-                                   branches=train_cooldowns(r)),
+                                   branches=cooldown_runs(r.inputs.get("cooldowns"),
+                                                          r.params.average.cooldowns)),
           artifacts=(MODEL,)),
     Stage("decode", ("decode", "score"), ("average", "clean"),
           lambda r: decode_and_score(r.inputs["average"] / MODEL, r.inputs["clean"],

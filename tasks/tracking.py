@@ -21,7 +21,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 from mlflow.tracking import MlflowClient
 
-from transformer.config import Params, flatten, params_hash, to_dict
+from transformer.config import Params, flatten, to_dict
 
 PACKAGES = ("torch", "prefect", "mlflow", "sentencepiece", "sacrebleu", "datasets", "pyarrow")
 PARAMS_HASH_TAG = "params_hash"
@@ -65,10 +65,10 @@ def experiment_id(client: MlflowClient, name: str, uri: str, work_dir: Path) -> 
 
 
 def open_parent_run(
-    client: MlflowClient, exp_id: str, params: Params, params_file: Path, run_name: str
+    client: MlflowClient, exp_id: str, params: Params, key: str, params_file: Path, run_name: str
 ) -> str:
-    """The run of these params: resumed if one exists (same hash), else created and filled."""
-    key = params_hash(params)
+    """The run of these params, whose hash is `key`: resumed if one exists (same hash), else
+    created and filled."""
     found = client.search_runs(
         [exp_id],
         filter_string=f"tags.{PARAMS_HASH_TAG} = '{key}' and tags.{STAGE_TAG} = 'pipeline'",

@@ -1,6 +1,6 @@
 """The train stage: the library's trainer in a subprocess (under torchrun for several
-processes), its output streamed to the run's log, its metrics in MLflow; and the further
-cooldowns the average stage branches from the run (`average.cooldowns`).
+processes), its output streamed to the run's log, its metrics in MLflow; and the cooldowns
+stage, the further cooldowns branched from the run that `average.cooldowns` asks for.
 
 The same run folder serves every params that differ only in operational keys: the trainer
 resumes from its newest state by itself, so a raised `train.max_steps` or `patience`
@@ -26,9 +26,9 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from prefect import get_run_logger
 from prefect.exceptions import TerminationSignal
 
-from transformer.checkpoint import checkpoint_path, describe_run
 from transformer.files import TRAIN_LOG
-from transformer.optim import cooldown_start
+from transformer.training.checkpoint import checkpoint_path, describe_run
+from transformer.training.optim import cooldown_start
 
 # Keys that say where training ends: a finished record that asked for other values is
 # extended (or, if already past them, confirmed) by running the trainer again.
@@ -47,6 +47,12 @@ def training_request(params) -> dict:
     return {key: getattr(params.train, key) for key in STOP_KEYS}
 
 
+def trained(report: dict) -> dict:
+    """What of a run folder's report the stages after it depend on: the step it reached and
+    the snapshots it kept."""
+    return {key: report[key] for key in ("step", "snapshots")}
+
+
 def launch_training(r) -> dict:
     """Train (or resume) in `r.out` until the params' stopping point; return where it got.
     `r`: a tasks.stages.StageRun."""
@@ -55,13 +61,12 @@ def launch_training(r) -> dict:
     return {**describe_run(r.out), "request": training_request(r.params)}
 
 
-def train_cooldowns(r) -> list[Path]:
+def train_cooldowns(r) -> dict:
     """The further cooldowns `average.cooldowns` asks for, trained (or resumed) in
     `r.out/cooldown-<i>`: each a branch of the train stage's run from its state at the
-    cooldown's start, with train.seed + i; metrics in the stage's own MLflow run."""
-    train, cfg = r.params.train, r.params.average
-    if cfg.cooldowns == 1:
-        return []
+    cooldown's start, with train.seed + i; metrics in the stage's own MLflow run. Returns
+    where each got, by folder name."""
+    train = r.params.train
     start = cooldown_start(train.max_steps, train.cooldown)
     state = checkpoint_path(r.inputs["train"], "state", start)
     if not state.is_file():  # a run trained before the state was kept, or extended after
@@ -71,13 +76,19 @@ def train_cooldowns(r) -> list[Path]:
             user_error=True,
         )
     tracking = {**r.tracking, "run_id": r.tracking["stage_run_id"]}
-    branches = [r.out / f"cooldown-{i}" for i in range(1, cfg.cooldowns)]
+    branches = cooldown_runs(r.out, r.params.average.cooldowns)
     with system_metrics(r.tracking):
         for i, out in enumerate(branches, 1):
             branch = ["--init-from", str(state), f"train.seed={train.seed + i}"]
             launch(r.params_file, r.inputs["shards"], out, tracking, **limits(r.params),
                    extra=branch)  # fmt: skip
-    return branches
+    return {out.name: describe_run(out) for out in branches}
+
+
+def cooldown_runs(folder: Path | None, cooldowns: int) -> list[Path]:
+    """The run folders of the further cooldowns in the cooldowns stage's `folder`, in order
+    (none without one: the params ask for no further cooldown)."""
+    return [] if folder is None else [folder / f"cooldown-{i}" for i in range(1, cooldowns)]
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch
 
 from transformer.config import ShardConfig, VocabConfig
 from transformer.data.shard import encode_and_shard
-from transformer.vocab import learn_vocab
+from transformer.data.vocab import learn_vocab
 
 # A word-for-word "translation": learnable by a tiny model within a few hundred steps.
 LEXICON = {
@@ -169,11 +169,11 @@ SMOKE_STEPS = [
 def smoke_model(tmp_path_factory) -> Path:
     """An exported model trained for 200 steps on the shipped smoke corpus (about a minute
     on 2 cores): peaked enough that exact comparisons of decoders are meaningful."""
-    from transformer.average import export_average
     from transformer.config import load_params
     from transformer.data.clean import clean_corpus
     from transformer.data.sources import prepare_source
     from transformer.train import main as train_main
+    from transformer.training.average import export_average
 
     root = Path(__file__).resolve().parents[1]
     work = tmp_path_factory.mktemp("smoke_model")

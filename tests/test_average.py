@@ -8,15 +8,17 @@ import shutil
 import pytest
 import torch
 
-from transformer import checkpoint as ckpt
-from transformer.average import average_checkpoints, export_average, main
+from transformer import model_file
 from transformer.config import AverageConfig
+from transformer.decoding.translate import load_translator
+from transformer.model_file import CheckpointError, atomic_save
 from transformer.train import main as train_main
-from transformer.translate import load_translator
+from transformer.training import checkpoint as ckpt
+from transformer.training.average import average_checkpoints, export_average, main
 
 
 def _save(path, model: dict, step: int = 1) -> object:
-    return ckpt.atomic_save({"format": ckpt.SNAPSHOT_FORMAT, "step": step, "model": model}, path)
+    return atomic_save({"format": ckpt.SNAPSHOT_FORMAT, "step": step, "model": model}, path)
 
 
 def test_the_average_is_the_exact_mean(tmp_path):
@@ -46,13 +48,13 @@ def test_the_average_is_the_exact_mean(tmp_path):
 def test_mismatched_keys_or_shapes_name_the_file(tmp_path):
     a = _save(tmp_path / "a.pt", {"w": torch.zeros(2, 3)})
     extra = _save(tmp_path / "extra.pt", {"w": torch.zeros(2, 3), "v": torch.zeros(1)})
-    with pytest.raises(ckpt.CheckpointError, match=r"extra\.pt: keys differ .*unexpected \['v'\]"):
+    with pytest.raises(CheckpointError, match=r"extra\.pt: keys differ .*unexpected \['v'\]"):
         average_checkpoints([a, extra])
     wide = _save(tmp_path / "wide.pt", {"w": torch.zeros(2, 4)})
-    with pytest.raises(ckpt.CheckpointError, match=r"wide\.pt: w has shape \(2, 4\), a\.pt has"):
+    with pytest.raises(CheckpointError, match=r"wide\.pt: w has shape \(2, 4\), a\.pt has"):
         average_checkpoints([a, wide])
-    ckpt.atomic_save({"nothing": 1}, tmp_path / "empty.pt")
-    with pytest.raises(ckpt.CheckpointError, match="holds no model"):
+    atomic_save({"nothing": 1}, tmp_path / "empty.pt")
+    with pytest.raises(CheckpointError, match="holds no model"):
         average_checkpoints([a, tmp_path / "empty.pt"])
 
 
@@ -74,11 +76,11 @@ def run_dir(tiny_params, tiny_shards, tmp_path_factory):
 
 def test_export_round_trips_into_a_translator(run_dir, tmp_path):
     out = export_average(run_dir, AverageConfig(last_n=2), tmp_path / "model.pt")
-    mf = ckpt.load_model_file(out)
+    mf = model_file.load_model_file(out)
     last_two = ckpt.list_files(run_dir, "model")[-2:]
     assert mf.meta["averaged_from"] == ["model-0000004.pt", "model-0000006.pt"]
     assert mf.meta["steps"] == [4, 6] and mf.meta["step"] == 6
-    newest = ckpt.load_typed(last_two[-1], ckpt.SNAPSHOT_FORMAT)
+    newest = model_file.load_typed(last_two[-1], ckpt.SNAPSHOT_FORMAT)
     assert mf.meta["data_fingerprint"] == newest["data_fingerprint"]
     assert mf.params == newest["params"]
     assert mf.spm_model == (run_dir / "spm.model").read_bytes()
@@ -90,33 +92,33 @@ def test_export_round_trips_into_a_translator(run_dir, tmp_path):
 
 
 def test_too_few_snapshots_is_an_error_that_counts_them(run_dir, tmp_path):
-    with pytest.raises(ckpt.CheckpointError, match=r"3 last snapshot\(s\) .* 4 to average"):
+    with pytest.raises(CheckpointError, match=r"3 last snapshot\(s\) .* 4 to average"):
         export_average(run_dir, AverageConfig(last_n=4), tmp_path / "model.pt")
     # Snapshots past train.max_steps (a run trained further than these params ask) are not
     # averaged.
     out = export_average(run_dir, AverageConfig(last_n=2), tmp_path / "m.pt", max_step=4)
-    assert ckpt.load_model_file(out).meta["steps"] == [2, 4]
+    assert model_file.load_model_file(out).meta["steps"] == [2, 4]
 
 
 def test_cli_takes_a_run_folder_or_files(run_dir, tmp_path, capsys):
     assert main([str(run_dir), "--last", "3", "--out", str(tmp_path / "a.pt")]) == 0
-    assert ckpt.load_model_file(tmp_path / "a.pt").meta["steps"] == [2, 4, 6]
+    assert model_file.load_model_file(tmp_path / "a.pt").meta["steps"] == [2, 4, 6]
     # Without --last: the run's own average section (last_n 2 in the tiny params).
     assert main([str(run_dir), "--out", str(tmp_path / "b.pt")]) == 0
-    assert ckpt.load_model_file(tmp_path / "b.pt").meta["steps"] == [4, 6]
+    assert model_file.load_model_file(tmp_path / "b.pt").meta["steps"] == [4, 6]
     assert main([str(run_dir), "--best", "1", "--out", str(tmp_path / "best.pt")]) == 0
-    assert len(ckpt.load_model_file(tmp_path / "best.pt").meta["steps"]) == 1
+    assert len(model_file.load_model_file(tmp_path / "best.pt").meta["steps"]) == 1
     # Several run folders (a run, then its further cooldowns): the same selection in each.
     branch = shutil.copytree(run_dir, tmp_path / "branch")
     assert main([str(run_dir), str(branch), "--last", "2", "--out", str(tmp_path / "s.pt")]) == 0
-    soup = ckpt.load_model_file(tmp_path / "s.pt")
+    soup = model_file.load_model_file(tmp_path / "s.pt")
     assert soup.meta["averaged_from"] == [f"{d}/model-000000{s}.pt" for d in ("run", "branch")
                                           for s in (4, 6)]  # fmt: skip
-    alone = ckpt.load_model_file(tmp_path / "b.pt").model
+    alone = model_file.load_model_file(tmp_path / "b.pt").model
     assert all(torch.allclose(soup.model[k], alone[k]) for k in alone)
     files = [str(p) for p in ckpt.list_files(run_dir, "model")[:2]]
     assert main([*files, "--out", str(tmp_path / "c.pt")]) == 0
-    assert ckpt.load_model_file(tmp_path / "c.pt").meta["steps"] == [2, 4]
+    assert model_file.load_model_file(tmp_path / "c.pt").meta["steps"] == [2, 4]
     capsys.readouterr()
     for bad in (["--last", "9"], ["--last", "-1"], ["--last", "0"], ["--last", "x"]):
         assert main([str(run_dir), *bad, "--out", str(tmp_path / "d.pt")]) == 2, bad

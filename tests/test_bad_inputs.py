@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from tasks.stages import STAGES
-from transformer import average, config, evaluate, export, train, translate
+from transformer import config, train
 from transformer.config import AverageConfig
+from transformer.decoding import evaluate, export, translate
+from transformer.training import average
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "params" / "smoke.yaml"
@@ -70,7 +72,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 def _prenorm_model(model: Path, out: Path) -> Path:
-    from transformer.checkpoint import load_model_file, save_model_file
+    from transformer.model_file import load_model_file, save_model_file
 
     mf = load_model_file(model)
     params = {**mf.params, "model": {**mf.params["model"], "norm_first": True}}

@@ -14,7 +14,7 @@ import torch
 from transformer.config import ShardConfig
 from transformer.data.batching import BatchLoader, ShardDataset, TokenBatchSampler
 from transformer.data.shard import encode_and_shard
-from transformer.vocab import BOS, EOS, PAD
+from transformer.tokens import BOS, EOS, PAD
 
 
 def _lengths(n: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -287,7 +287,7 @@ def test_padding_rows_change_neither_the_loss_nor_its_gradient(dataset):
     """The model on a class-padded batch (wider, with padding rows) gives the loss and the
     gradient of the batch as it was: the padding rows' EOS keeps their attention finite."""
     from transformer.config import ModelConfig
-    from transformer.model import Transformer
+    from transformer.nn.model import Transformer
 
     cfg = ModelConfig(n_layers=1, d_model=16, d_ff=32, n_heads=2, dropout=0.0)
     torch.manual_seed(0)

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from transformer import checkpoint as ckpt
+from transformer import model_file
+from transformer.model_file import CheckpointError, atomic_save
+from transformer.training import checkpoint as ckpt
 
 
 class Evil:
@@ -20,33 +22,33 @@ class Evil:
 
 
 def test_load_file_names_the_file_on_every_failure(tmp_path):
-    with pytest.raises(ckpt.CheckpointError, match=r"missing\.pt: no such file"):
-        ckpt.load_file(tmp_path / "missing.pt")
-    path = ckpt.atomic_save({"a": torch.zeros(3)}, tmp_path / "ok.pt")
+    with pytest.raises(CheckpointError, match=r"missing\.pt: no such file"):
+        model_file.load_file(tmp_path / "missing.pt")
+    path = atomic_save({"a": torch.zeros(3)}, tmp_path / "ok.pt")
     path.write_bytes(path.read_bytes()[:-50])
-    with pytest.raises(ckpt.CheckpointError, match=r"ok\.pt: unreadable"):
-        ckpt.load_file(path)
+    with pytest.raises(CheckpointError, match=r"ok\.pt: unreadable"):
+        model_file.load_file(path)
     torch.save([1, 2], tmp_path / "list.pt")
-    with pytest.raises(ckpt.CheckpointError, match=r"list\.pt: not a checkpoint"):
-        ckpt.load_file(tmp_path / "list.pt")
-    ckpt.save_model_file(tmp_path / "m.pt", ckpt.ModelFile({}, {}, b"x", {}))
-    with pytest.raises(ckpt.CheckpointError, match="not 'transformer-mt/state/1'"):
-        ckpt.load_typed(tmp_path / "m.pt", ckpt.STATE_FORMAT)
+    with pytest.raises(CheckpointError, match=r"list\.pt: not a checkpoint"):
+        model_file.load_file(tmp_path / "list.pt")
+    model_file.save_model_file(tmp_path / "m.pt", model_file.ModelFile({}, {}, b"x", {}))
+    with pytest.raises(CheckpointError, match="not 'transformer-mt/state/1'"):
+        model_file.load_typed(tmp_path / "m.pt", ckpt.STATE_FORMAT)
 
 
 def test_a_pickle_that_runs_code_is_refused_without_advising_weights_only_false(tmp_path):
     torch.save({"model": Evil()}, tmp_path / "evil.pt")
-    with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.load_file(tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError) as err:
+        model_file.load_file(tmp_path / "evil.pt")
     assert "evil.pt" in str(err.value) and "refused" in str(err.value)
     assert "weights_only" not in str(err.value) and len(str(err.value).splitlines()) == 1
     assert not os.path.exists("/tmp/should-never-exist")
 
 
 def test_atomic_save_leaves_no_temporary_file_and_follows_the_umask(tmp_path):
-    ckpt.atomic_save({"a": 1}, tmp_path / "sub" / "x.pt")
+    atomic_save({"a": 1}, tmp_path / "sub" / "x.pt")
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["x.pt"]
-    assert ckpt.load_file(tmp_path / "sub" / "x.pt", mmap=True) == {"a": 1}
+    assert model_file.load_file(tmp_path / "sub" / "x.pt", mmap=True) == {"a": 1}
     mask = os.umask(0)
     os.umask(mask)
     assert (tmp_path / "sub" / "x.pt").stat().st_mode & 0o777 == 0o666 & ~mask
@@ -91,7 +93,7 @@ def test_training_states_keep_the_newest_two_and_skip_an_unreadable_one(tmp_path
     assert state["step"] == 2 and path.name == "state-0000002.pt"
     assert "state-0000003.pt" in caplog.text
     m.path("state", 2).write_bytes(b"garbage")
-    with pytest.raises(ckpt.CheckpointError, match=r"state-0000003\.pt: unreadable, as the 1"):
+    with pytest.raises(CheckpointError, match=r"state-0000003\.pt: unreadable, as the 1"):
         m.load_latest()
 
 
@@ -125,7 +127,7 @@ def test_select_snapshots_last_best_and_bounded_by_step(tmp_path):
     assert steps(ckpt.select_snapshots(tmp_path, "last", 2)) == [3, 4]
     assert steps(ckpt.select_snapshots(tmp_path, "best", 2)) == [2, 4]  # oldest first
     assert steps(ckpt.select_snapshots(tmp_path, "last", 2, max_step=3)) == [2, 3]
-    with pytest.raises(ckpt.CheckpointError, match=r"4 last snapshot\(s\) .* 5 to average"):
+    with pytest.raises(CheckpointError, match=r"4 last snapshot\(s\) .* 5 to average"):
         ckpt.select_snapshots(tmp_path, "last", 5)
 
 
@@ -156,8 +158,8 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     random.gauss(0, 1)  # leaves a cached gaussian in Python's state
     state = ckpt.rng_state()
     expected = _draws()
-    ckpt.atomic_save({"rng": state}, tmp_path / "rng.pt")
-    loaded = ckpt.load_file(tmp_path / "rng.pt")["rng"]
+    atomic_save({"rng": state}, tmp_path / "rng.pt")
+    loaded = model_file.load_file(tmp_path / "rng.pt")["rng"]
     _draws()
     ckpt.set_rng_state(loaded)
     assert _draws() == expected

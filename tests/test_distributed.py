@@ -15,16 +15,17 @@ import pytest
 import torch
 from conftest import assert_same_training, assert_same_updates
 
-from transformer import checkpoint as ckpt
+from transformer import model_file
 from transformer.config import ModelConfig
-from transformer.distributed import (
+from transformer.nn.model import Transformer
+from transformer.training import checkpoint as ckpt
+from transformer.training.distributed import (
     DistEnv,
     all_gather_objects,
     all_reduce_sum,
     distribute,
     init_distributed,
 )
-from transformer.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 # 2 CPU ranks (gloo) on any host: on a CUDA host with one GPU, rank 1 would ask for cuda:1.
@@ -144,7 +145,7 @@ def test_two_compiled_ranks_equal_one_uncompiled_rank(tiny_params, tiny_shards, 
 
 
 def _final(run_dir: Path) -> dict:
-    return ckpt.load_typed(ckpt.list_files(run_dir, "state")[-1], ckpt.STATE_FORMAT)
+    return model_file.load_typed(ckpt.list_files(run_dir, "state")[-1], ckpt.STATE_FORMAT)
 
 
 def _losses(out: str) -> list[float]:
@@ -159,8 +160,8 @@ SHARED_BLEU = """\
 import json
 import sys
 from pathlib import Path
-from transformer.distributed import init_distributed, shutdown
-from transformer.validate import shared_bleu
+from transformer.training.distributed import init_distributed, shutdown
+from transformer.training.validate import shared_bleu
 
 env = init_distributed()
 # Rank 0 decodes its sentences perfectly, rank 1 its own badly: only the whole scores.

@@ -10,7 +10,7 @@ import torch
 from sacrebleu.metrics import BLEU
 
 from transformer.config import ScoreConfig
-from transformer.evaluate import (
+from transformer.decoding.evaluate import (
     compound_split_bleu,
     main,
     read_lines,
@@ -115,9 +115,9 @@ def test_command_line_prints_json(files, capsys):
 def test_attention_maps_are_the_models_own_weights(tmp_path):
     """Recomputed from the module's projections, the weights are what SDPA used: applied to
     the values they give the attention's output (before W^O)."""
-    from transformer.attention_maps import attention_weights, plot_attention
     from transformer.config import ModelConfig
-    from transformer.model import Transformer
+    from transformer.decoding.attention_maps import attention_weights, plot_attention
+    from transformer.nn.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(n_layers=2, d_model=16, d_ff=32, n_heads=4), 30).eval()

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer.checkpoint import load_model_file, save_model_file
 from transformer.config import DecodeConfig, ExportConfig, params_from_dict
-from transformer.export import (
+from transformer.decoding.export import (
     QUANTIZATIONS,
     ExportError,
     export_formats,
@@ -29,10 +28,11 @@ from transformer.export import (
     transformer_spec,
     vocabulary,
 )
+from transformer.decoding.translate import load_translator, pad_batch, translate_lines
 from transformer.files import file_sha256
-from transformer.model import Transformer, sinusoidal
-from transformer.translate import load_translator, pad_batch, translate_lines
-from transformer.vocab import BOS, EOS, PAD
+from transformer.model_file import load_model_file, save_model_file
+from transformer.nn.model import Transformer, sinusoidal
+from transformer.tokens import BOS, EOS, PAD
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 pytest.importorskip("transformers")
@@ -278,7 +278,7 @@ def test_command_line_exports_and_a_failed_export_leaves_nothing(
     def killed(*args):
         raise KeyboardInterrupt  # as a kill in the middle of writing
 
-    monkeypatch.setattr("transformer.export.write_ctranslate2", killed)
+    monkeypatch.setattr("transformer.decoding.export.write_ctranslate2", killed)
     with pytest.raises(KeyboardInterrupt):
         export_model(smoke_model, "ctranslate2", tmp_path / "other")
     assert sorted(os.listdir(tmp_path)) == ["ct2"]

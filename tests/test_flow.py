@@ -39,7 +39,8 @@ from flows.wmt14_ende import wmt14_ende
 from tasks.settings import load_run_params
 from tasks.stages import StageRun
 from tasks.train import TrainingFailed, train_cooldowns
-from transformer.checkpoint import load_model_file
+from transformer import config
+from transformer.model_file import load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "params" / "smoke.yaml")
@@ -62,10 +63,36 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first(work):
-    state = wmt14_ende(SMOKE, TINY_FLOW, str(work), return_state=True)
+def parses() -> list[Path]:
+    """The params files that `first` parsed (read and validated), in order."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def first(work, parses):
+    # Every parse reads its file through config._read_tree, whatever the name it is called
+    # by (load_run_params, load_params): count the reads of a file itself, not of a file it
+    # extends.
+    read = config._read_tree
+
+    def counted(path: Path, seen: tuple) -> dict:
+        if not seen:
+            parses.append(path)
+        return read(path, seen)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config, "_read_tree", counted)
+        state = wmt14_ende(SMOKE, TINY_FLOW, str(work), return_state=True)
     assert state.is_completed(), state
     return state.result(), state.state_details.flow_run_id
+
+
+def test_a_run_parses_its_params_once(first, parses):
+    """The flow reads and validates the params once and hands the tree to every task
+    (open-run and the eight stages, each run, not reused): none parses the file again. The
+    trainer, a process of its own, reads the resolved params the run wrote; the command
+    line reads the file once more, before Prefect starts, to refuse bad params at once."""
+    assert parses == [Path(SMOKE)]
 
 
 def _client(work: Path) -> MlflowClient:
@@ -241,20 +268,25 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
 
 
 def test_an_average_over_cooldowns_trains_them_from_the_runs_cooldown_start(first, work):
-    """average.cooldowns=2: the run keeps its state where its cooldown begins; the average
-    stage trains one more cooldown from there (train.seed + 1: other batches) in its own
-    folder, its curves in its MLflow run, and averages the last N of each: a model soup."""
+    """average.cooldowns=2: the run keeps its state where its cooldown begins; the
+    cooldowns stage trains one more cooldown from there (train.seed + 1: other batches) in
+    its own folder, its curves in its own MLflow run; the average stage averages the last N
+    of each (a model soup), and trains nothing."""
     params = [*TINY_FLOW, "train.cooldown=0.5", "average.cooldowns=2"]
     result = wmt14_ende(SMOKE, params, str(work), return_state=True).result()
-    branch = Path(result["model"]).parent / "cooldown-1"
+    (branch,) = (work / "cooldowns").glob("*/cooldown-1")
+    assert (branch.parent / "stage.json").is_file()
     log = (branch / "train.log").read_text()
     assert "state-0000020.pt at step 20" in log and "train.seed: 1 in checkpoint, 2 now" in log
     averaged = load_model_file(result["model"]).meta["averaged_from"]
     assert [name.split("/")[1] for name in averaged] == ["model-0000030.pt", "model-0000040.pt"] * 2
     assert [name.split("/")[0] for name in averaged][2:] == ["cooldown-1"] * 2
+    assert not list(Path(result["model"]).parent.glob("cooldown-*"))
     client = _client(work)
     stages = {c.data.tags["stage"]: c for c in _children(client, result["run_id"])}
-    assert len(client.get_metric_history(stages["average"].info.run_id, "train/loss")) >= 2
+    assert set(stages) == {"train", "cooldowns", "average", "decode", "export"}  # data reused
+    assert len(client.get_metric_history(stages["cooldowns"].info.run_id, "train/loss")) >= 2
+    assert "train/loss" not in stages["average"].data.metrics
 
 
 def test_an_average_over_cooldowns_needs_the_state_where_they_begin(tmp_path):

@@ -1,4 +1,4 @@
-"""The GPU path: transformer.attention's choice of SDPA kernels (on CPU: the flags it sets),
+"""The GPU path: transformer.nn.attention's choice of SDPA kernels (on CPU: the flags it sets),
 then what only a CUDA device can show (marked `gpu`, run with -m gpu, skipped without
 CUDA): a bf16 training step, the kernels that really run, the KV cache in bf16, and two
 ranks over NCCL."""
@@ -18,13 +18,15 @@ from conftest import assert_same_updates
 from test_search import HostReads, batch, real_sources
 from torch.nn.attention import SDPBackend
 
-from transformer import attention, search
-from transformer.checkpoint import STATE_FORMAT, list_files, load_typed
 from transformer.config import ModelConfig
-from transformer.model import Transformer
-from transformer.search import beam_search
+from transformer.decoding import search
+from transformer.decoding.search import beam_search
+from transformer.model_file import load_typed
+from transformer.nn import attention
+from transformer.nn.model import Transformer
+from transformer.tokens import BOS, EOS, PAD
 from transformer.train import main as train_main
-from transformer.vocab import BOS, EOS, PAD
+from transformer.training.checkpoint import STATE_FORMAT, list_files
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -48,8 +50,8 @@ def test_cuda_choice_is_flash_then_efficient_then_math_without_cudnn():
     chosen = attention.backends(torch.device("cuda", 0))
     assert chosen == list(attention.CUDA_BACKENDS)
     assert chosen[-1] == SDPBackend.MATH  # whatever the fused kernels refuse still runs
-    # cuDNN builds a plan per shape; admitting it takes benchmarks/gpu_report.py's measurement
-    # and this test's update in the same change.
+    # cuDNN builds a plan per shape; admitting it takes the GPU report's measurement
+    # (benchmarks/gpu_report/attention_backends.py) and this test's update in one change.
     assert SDPBackend.CUDNN_ATTENTION not in chosen
 
 

@@ -1,59 +1,50 @@
-"""benchmarks/gpu_proof.py on toy sizes on the CPU: every phase runs its code, in its own
-process, as on the GPU machine (without the packages its image lacks), so that the one GPU
-run a lease allows runs right the first time."""
+"""The GPU proof (python -m benchmarks.gpu_report --plan proof) on toy sizes on the CPU:
+every phase runs its code, in its own process, as on the GPU machine (without the packages
+its image lacks, "before" on the base commit's tree as `make gpu-baseline` writes it), so
+that the one GPU run a lease allows runs right the first time."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from test_gpu_report import as_on_gpu_image
+import torch
+from gpu_rehearsal import COMMAND, ROOT, rehearsal
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.gpu_report import proof, report, runner
+from benchmarks.gpu_report.section import Ctx
+
 PHASES = ["environment", "eager-before", "eager-after", "compile", "cuda-graphs", "real-loop",
           "beam"]  # fmt: skip
 
 
-def proof(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_proof.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def run_proof(*args: str) -> subprocess.CompletedProcess:
+    cmd = [*COMMAND, "--plan", "proof", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "proof.jsonl").read_text().splitlines()]
-
-
-def baseline(folder: Path) -> Path:
-    """A tree as `make gpu-baseline` writes one (a copy of this one: no git needed)."""
-    skip = shutil.ignore_patterns("__pycache__", "results")
-    for name in ("transformer", "benchmarks", "params"):
-        shutil.copytree(ROOT / name, folder / name, ignore=skip)
-    (folder / "COMMIT").write_text("a-copy\n")
-    return folder
+    """The sections' records in the order they ran, each with its title as "phase"."""
+    sections = json.loads((out / "report.json").read_text())["sections"]
+    return [{"phase": title, **record} for title, record in sections.items()]
 
 
 @pytest.fixture(scope="module")
-def tiny_proof(tmp_path_factory) -> tuple[Path, list[dict], str]:
+def tiny_proof(request) -> tuple[Path, list[dict], str]:
     """One `--device cpu --tiny` run without the GPU image's missing packages: its folder,
     its records and what it printed."""
-    tmp = tmp_path_factory.mktemp("gpu_proof")
-    (tmp / "image").mkdir()
-    env = as_on_gpu_image(tmp / "image")
-    out, tree = tmp / "proof", baseline(tmp / "baseline")
-    done = proof("--device", "cpu", "--tiny", "--out", str(out), "--baseline", str(tree), env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return out, records(out), done.stdout
+    out, printed = rehearsal("proof", request)
+    return out, records(out), printed
 
 
 def test_every_phase_runs_once_and_records_its_rows(tiny_proof):
     out, found, printed = tiny_proof
-    assert [r["phase"] for r in found] == PHASES  # one JSONL record a phase, in order
+    assert [r["phase"] for r in found] == PHASES  # one record a phase, in order
     for r in found:
         why = r.get("traceback") or r.get("log tail") or r["status"]
         if r["phase"] == "cuda-graphs":  # the same update ran eagerly: its rows are there
@@ -73,7 +64,7 @@ def test_each_phase_measures_what_it_names(tiny_proof):
     versions = {r["item"]: r["value"] for r in phase["environment"]["tables"]["versions"]}
     assert versions["host CPU"] and versions["commit"] and "triton" in versions
     before, after = (phase[p]["tables"][""][0] for p in ("eager-before", "eager-after"))
-    assert before["tree"] == "before: a-copy" and after["tree"].startswith("after: ")
+    assert before["tree"] == "before: the-base" and after["tree"].startswith("after: ")
     assert before["B x S x T"] == after["B x S x T"]  # the same fixed batches
     assert before["tgt tok/s"] > 0 and after["tgt tok/s"] > 0 and after["aten ops/update"] > 0
     # "before" ran the baseline's own code, "after" today's
@@ -96,45 +87,52 @@ def test_each_phase_measures_what_it_names(tiny_proof):
 
 
 def test_a_phase_over_its_time_limit_is_killed_and_the_run_goes_on(tmp_path):
+    """Killed at its limit and recorded so; one whose tree is missing is skipped saying
+    so; the next one runs."""
     out = tmp_path / "proof"
-    done = proof("--device", "cpu", "--tiny", "--out", str(out), "--phases",
-                 "eager-after,cuda-graphs", "--limit", "eager-after=0.5")  # fmt: skip
+    done = run_proof("--device", "cpu", "--tiny", "--out", str(out), "--only", "environment",
+                     "--only", "eager-before", "--only", "eager-after", "--limit",
+                     "environment=0.5", "--baseline", "nowhere")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    killed, graphs = records(out)
-    assert killed["phase"] == "eager-after"
+    killed, skipped, after = records(out)
+    assert killed["phase"] == "environment"
     assert killed["status"] == "killed: over its time limit of 0.5 s" and "log tail" in killed
-    assert graphs["phase"] == "cuda-graphs" and graphs["tables"][""]
+    assert skipped["status"].startswith("skipped: no baseline tree in")
+    assert skipped["seconds"] == 0.0
+    assert after["phase"] == "eager-after" and after["status"] == "ok" and after["tables"][""]
     markdown = (out / "report.md").read_text()
-    assert "killed: over its time limit" in markdown and "\n## cuda-graphs\n" in markdown
+    assert "killed: over its time limit" in markdown and "\n## eager-after\n" in markdown
 
 
 @pytest.mark.parametrize(
-    "args, status",
-    [
-        (["--phases", "environment", "--budget", "0"], "skipped: the time budget is spent"),
-        (["--phases", "eager-before", "--baseline", "nowhere"], "skipped: no baseline tree in"),
-    ],
+    "plan, title, left",
+    [(proof.PLAN, "environment", 7.0), (report.PLAN, "checkpoint", -1.0)],
 )
-def test_a_phase_that_cannot_run_is_skipped_saying_why(tmp_path, args, status):
-    out = tmp_path / "proof"
-    done = proof("--device", "cpu", "--tiny", "--out", str(out), *args)
-    assert done.returncode == 0, done.stdout + done.stderr
-    (record,) = records(out)
-    assert record["status"].startswith(status) and record["seconds"] == 0.0
+def test_a_section_without_the_time_it_needs_is_skipped_saying_so(tmp_path, plan, title, left):
+    """A proof phase needs half its limit of the budget left (environment: 15 s); a report
+    section starts while any is left."""
+    args = runner.parse_args(["--plan", plan.name, "--device", "cpu"])
+    ctx = Ctx(torch.device("cpu"), plan.sizes["tiny"], tmp_path, time.time() + left, ROOT, "")
+    record = runner.run(plan.section(title), ctx, args, plan)
+    assert record["status"].startswith(f"skipped: the time budget is spent ({left:.0f} s of")
+    assert record["seconds"] == 0.0
 
 
-@pytest.fixture
-def gpu_proof(monkeypatch):
-    """benchmarks/gpu_proof.py imported in this process."""
-    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])
-    spec = importlib.util.spec_from_file_location("gpu_proof", ROOT / "benchmarks/gpu_proof.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_proof", module)  # its dataclasses look there
-    spec.loader.exec_module(module)
-    return module
+def test_what_measures_the_base_tree_imports_none_of_todays_library():
+    """A process measuring the base commit has that tree's transformer (old layout) first
+    on its path (benchmarks/gpu_report/tree.py): the runner and eager's module import no
+    transformer module of their own, which would fail there or measure today's."""
+    code = (
+        "import sys\n"
+        "from benchmarks.gpu_report import runner\n"
+        "runner.PLANS['proof'].section('eager-before').function()\n"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'transformer'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
-def test_the_targets_say_which_gpu_measured_them(gpu_proof):
+def test_the_targets_say_which_gpu_measured_them():
     loop = [{"config": "base", "settings": "today's", "tgt tok/s": 400_000.0},
             {"config": "base", "settings": "best", "tgt tok/s": 600_000.0},
             {"config": "big", "settings": "best", "tgt tok/s": 200_000.0}]  # fmt: skip
@@ -142,10 +140,10 @@ def test_the_targets_say_which_gpu_measured_them(gpu_proof):
     beam = [{"config": "base", "device": "cuda", "search": ours, "sent/s": 1600.0},
             {"config": "smoke", "device": "cpu", "search": ours, "sent/s": 90.0},
             {"config": "smoke", "device": "cpu", "search": ct2, "sent/s": 100.0}]  # fmt: skip
-    found = [{"phase": "real-loop", "tables": {"": loop}}, {"phase": "beam", "tables": {"": beam}}]
-    h200 = gpu_proof.targets(found, "NVIDIA H200", gpu_proof.GPU)
+    found = {"real-loop": {"tables": {"": loop}}, "beam": {"tables": {"": beam}}}
+    h200 = proof.targets(found, "NVIDIA H200", proof.GPU)
     assert [t["result"] for t in h200] == ["pass", "FAIL", "pass", "FAIL"]
     assert h200[0]["measured by"] == "best settings" and h200[0]["measured"] == 600_000.0
     assert all(t["on"] == "NVIDIA H200: H200, not an H100" for t in h200[:3])
-    h100 = gpu_proof.targets(found, "NVIDIA H100 80GB HBM3", gpu_proof.GPU)
+    h100 = proof.targets(found, "NVIDIA H100 80GB HBM3", proof.GPU)
     assert h100[0]["on"] == "NVIDIA H100 80GB HBM3" and h100[3]["measured"] == pytest.approx(0.9)

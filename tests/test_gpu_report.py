@@ -1,43 +1,33 @@
-"""benchmarks/gpu_report.py on toy sizes on the CPU: every section runs its code, so the
-report a GPU machine makes cannot rot between the times one is lent."""
+"""The GPU report (python -m benchmarks.gpu_report) on toy sizes on the CPU: every section
+runs its code, so the report a GPU machine makes cannot rot between the times one is lent."""
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_rehearsal import COMMAND, NOT_ON_GPU_IMAGE, ROOT, as_on_gpu_image, rehearsal
 
-ROOT = Path(__file__).resolve().parents[1]
-# What the GPU machines' image lacks of this project's dependencies, beyond what `make
-# gpu-wheels` carries there (pydantic, CTranslate2, sacremoses): its package list, read
-# 2026-11-17 (the device tool's KINDS.md), holds torch, transformers, sentencepiece,
-# pyarrow, sacrebleu, pyyaml, numpy, tqdm, matplotlib, psutil and pytest, not these. The
-# report runs here with them unimportable, so that it runs there; and, as there, with this
-# project not installed (the checkout is copied, not pip-installed): it finds its own code.
-NOT_ON_GPU_IMAGE = ("prefect", "mlflow", "datasets", "fastapi", "sqlalchemy")
-BLOCKER = """\
-import importlib.abc, sys
+from benchmarks.gpu_report import (
+    attention_backends,
+    decode,
+    gpu_tests,
+    report,
+    runner,
+    train_loop,
+)
+from benchmarks.gpu_report.section import Ctx, peer
+from transformer.decoding import search
 
-class NotOnGpuImage(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in {blocked!r}:
-            raise ModuleNotFoundError(f"{{name}}: not on the GPU image", name=name)
-
-editable = lambda f: "__editable__" in getattr(f, "__module__", "")  # pip install -e's hooks
-sys.meta_path[:] = [NotOnGpuImage(), *(f for f in sys.meta_path if not editable(f))]
-sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]
-sys.path_importer_cache.clear()
-"""
 SECTIONS = [
     "environment",
     "gpu tests",
@@ -51,28 +41,16 @@ SECTIONS = [
 ]
 
 
-def report(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
-def as_on_gpu_image(folder: Path) -> dict:
-    """An environment in which NOT_ON_GPU_IMAGE cannot be imported, by the report and by
-    every Python process it starts (a sitecustomize module on PYTHONPATH)."""
-    (folder / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(NOT_ON_GPU_IMAGE)))
-    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path)
+def run_report(*args: str) -> subprocess.CompletedProcess:
+    cmd = [*COMMAND, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def tiny_report(tmp_path_factory) -> tuple[Path, str]:
+def tiny_report(request) -> tuple[Path, str]:
     """The report folder of one `--device cpu --tiny` run, and what the run printed, run
     without the packages that the GPU machines' image lacks."""
-    out = tmp_path_factory.mktemp("gpu_report") / "report"
-    env = as_on_gpu_image(tmp_path_factory.mktemp("gpu_image"))
-    done = report("--device", "cpu", "--tiny", "--out", str(out), env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return out, done.stdout
+    return rehearsal("report", request)
 
 
 def test_the_tiny_cpu_report_writes_every_section(tiny_report):
@@ -90,6 +68,7 @@ def test_the_tiny_cpu_report_writes_every_section(tiny_report):
         ["not measured (see its section)"] * 3 + ["not judged: --tiny sizes"] * 2
     )
     assert data["command"].endswith(f"--device cpu --tiny --out {out}")  # beside its figures
+    assert data["plan"] == "report" and data["sizes"] == "tiny"
     assert data["complete"] and "Unfinished" not in markdown
     assert not list(out.glob(".work-*"))  # its temporary files are gone
 
@@ -98,6 +77,8 @@ def test_each_section_measures_what_it_names(tiny_report):
     sections = json.loads((tiny_report[0] / "report.json").read_text())["sections"]
     versions = {r["item"]: r["value"] for r in sections["environment"]["tables"]["versions"]}
     assert versions["host CPU"] not in ("", "unknown")  # host-bound decoding follows it
+    (smi,) = sections["environment"]["tables"]["nvidia-smi"]  # a row per GPU, or why none
+    assert smi.get("name") or smi["status"].startswith("skipped: ")
     backends = sections["environment"]["tables"]["attention backends"]
     assert len({r["call"] for r in backends}) == 4
     ran = [r for r in backends if "status" not in r]  # math at least, for every call kind
@@ -115,7 +96,7 @@ def test_each_section_measures_what_it_names(tiny_report):
     profiled = sections["profile"]["tables"]
     assert [r["work"] for r in profiled["summary"]] == ["train tiny 256", "beam tiny 8"]
     assert all(r["wall ms"] > 0 and r["aten ops"] > 0 for r in profiled["summary"])
-    # torch's products, or oneDNN's where a CPU has AVX-512 (transformer/kernels.py)
+    # torch's products, or oneDNN's where a CPU has AVX-512 (transformer/nn/kernels.py)
     products = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
     assert products & {r["op"] for r in profiled["ops, train tiny 256"]}
     assert any(r["op"].startswith("aten::") for r in profiled["ops, beam tiny 8"])
@@ -138,30 +119,43 @@ def test_the_report_runs_where_the_gpu_image_lacks_packages(tmp_path):
 
 
 def test_only_runs_the_sections_it_names(tmp_path):
-    """What a short lease uses to give one section (the compiled loop, say) all its time."""
+    """What a short lease uses to give one section (the compiled loop, say) all its time;
+    with --limit, in a process of its own, killed at the limit with the rows it had."""
     out = tmp_path / "report"
-    done = report("--device", "cpu", "--tiny", "--out", str(out), "--only", "checkpoint")
+    done = run_report("--device", "cpu", "--tiny", "--out", str(out), "--only", "checkpoint",
+                      "--limit", "checkpoint=120")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((out / "report.json").read_text())
     assert list(data["sections"]) == ["checkpoint"] and data["complete"]
-    assert data["sections"]["checkpoint"]["tables"][""][0]["GB"] > 0
+    (checkpoint,) = data["sections"].values()
+    assert checkpoint["tables"][""][0]["GB"] > 0 and checkpoint["limit_s"] == 120
     assert {t["result"] for t in data["targets"]} <= {"not measured (see its section)",
                                                       "not judged: --tiny sizes"}  # fmt: skip
-    done = report("--device", "cpu", "--only", "train loop compiled")  # the comma is missing
-    assert done.returncode == 2 and "invalid choice: 'train loop compiled'" in done.stderr
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a CUDA device that is absent")
-def test_asking_for_an_absent_gpu_is_a_usage_error():
-    done = report("--device", "cuda")
-    assert done.returncode == 2 and "--device cuda: no CUDA device" in done.stderr
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CUDA device absent")
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--only", "train loop compiled"], "--only: no section 'train loop compiled' in the "
+                                            "report plan"),  # the comma is missing
+        (["--plan", "proof", "--limit", "decode=9"], "--limit: no section 'decode' in the proof"),
+        (["--limit", "decode"], "--limit: SECTION=SECONDS, got ['decode']"),
+        pytest.param(["--device", "cuda"], "--device cuda: no CUDA device", marks=NO_GPU),
+    ],
+)  # fmt: skip
+def test_a_command_the_plan_cannot_run_is_a_usage_error(args, error, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        runner.parse_args(args)
+    assert stopped.value.code == 2 and error in capsys.readouterr().err
 
 
 def test_a_report_stopped_from_outside_keeps_the_sections_it_finished(tmp_path):
     """As the GPU machine's time limit stops it: killed once its first section is done."""
     out = tmp_path / "report"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "--device", "cpu",
-           "--tiny", "--out", str(out)]  # fmt: skip
+    cmd = [*COMMAND, "--device", "cpu", "--tiny", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()
@@ -175,37 +169,29 @@ def test_a_report_stopped_from_outside_keeps_the_sections_it_finished(tmp_path):
     assert "Unfinished" in (out / "report.md").read_text()
 
 
-@pytest.fixture
-def gpu_report(monkeypatch):
-    """benchmarks/gpu_report.py imported in this process."""
-    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "benchmarks/gpu_report.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_report", module)  # its dataclasses look there
-    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts benchmarks/ on the path
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_every_gpu_test_is_in_the_module_the_report_runs(gpu_report):
+def test_every_gpu_test_is_in_the_module_the_report_runs():
     """The report runs `pytest -m gpu` on one module (the others import what a GPU image
     lacks): a test marked gpu anywhere else would never run there."""
     marks = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bmark\.gpu\b)", re.M)
     marked = [p.name for p in (ROOT / "tests").glob("test_*.py") if marks.search(p.read_text())]
-    assert marked == [Path(gpu_report.GPU_TESTS).name]
+    assert marked == [Path(gpu_tests.GPU_TESTS).name]
 
 
-def test_the_default_attention_row_lifts_the_restriction_and_only_it(gpu_report):
-    """The "torch default attention" decode row runs beam search without search.py's
-    sdpa_kernel restriction (which the search enters itself); the rows after it keep it."""
-    from transformer import search
+def test_the_default_attention_row_lifts_the_restriction_and_only_it():
+    """The "torch default attention" decode row runs beam search with
+    restrict_attention=False: without the sdpa_kernel restriction the search enters itself
+    (which leaves cuDNN out); by default the search keeps it."""
+    cuda = torch.device("cuda")  # attention_context restricts on CUDA only; its flags are
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled  # process-wide, readable without a GPU
+    with warnings.catch_warnings(action="ignore"):  # autocast("cuda") without a GPU warns
+        with search._inference(cuda, restrict_attention=False):
+            assert cudnn()
+        with search._inference(cuda):
+            assert not cudnn()
+    assert cudnn()
 
-    cuda = torch.device("cuda")  # attention_context restricts on CUDA only
-    lifted = gpu_report.unrestricted(lambda: type(search.attention_context(cuda)).__name__)
-    assert lifted == "nullcontext"
-    assert type(search.attention_context(cuda)).__name__ != "nullcontext"
 
-
-def test_ctranslate2_without_cuda_12_cublas_is_a_skipped_peer(gpu_report):
+def test_ctranslate2_without_cuda_12_cublas_is_a_skipped_peer():
     """CTranslate2's wheels load libcublas.so.12; beside CUDA 13 that is a skip that says
     so, not a failure."""
     try:
@@ -213,16 +199,14 @@ def test_ctranslate2_without_cuda_12_cublas_is_a_skipped_peer(gpu_report):
         pytest.skip("this machine has libcublas.so.12")
     except OSError:
         pass
-    row = gpu_report.peer({"search": "beam 4, CTranslate2"}, gpu_report.needs_cublas12)
+    row = peer({"search": "beam 4, CTranslate2"}, decode.needs_cublas12)
     assert row["status"].startswith("skipped: CTranslate2 ")
     assert "loads libcublas.so.12 (CUDA 12)" in row["status"]
 
 
-def test_a_faster_backend_that_is_wrong_is_not_admitted(gpu_report):
+def test_a_faster_backend_that_is_wrong_is_not_admitted():
     """cuDNN measured faster at every call kind is admitted only if its outputs and
     gradients match the math backend's; a NaN among them counts as wrong."""
-    run = SimpleNamespace(device=torch.device("cuda"))
-    kinds = (gpu_report.ENCODER, gpu_report.CAUSAL, gpu_report.CROSS, gpu_report.BEAM)
 
     def rows(cudnn_diff: float) -> list[dict]:
         def row(kind, backend, ms, diff):
@@ -231,38 +215,45 @@ def test_a_faster_backend_that_is_wrong_is_not_admitted(gpu_report):
             return {"call": kind, "backend": backend, "ours": ours, **times, "diff vs math": diff}
 
         return [
-            r for k in kinds for r in (row(k, "flash", 2.0, 0.0), row(k, "cuDNN", 1.0, cudnn_diff))
+            r
+            for k in attention_backends.KINDS
+            for r in (row(k, "flash", 2.0, 0.0), row(k, "cuDNN", 1.0, cudnn_diff))
         ]
 
-    assert gpu_report.verdict(rows(0.01), run)[-1].startswith("cuDNN is faster at every")
-    assert gpu_report.verdict(rows(float("inf")), run)[-1].startswith("keep attention.CUDA_BACK")
+    cuda = torch.device("cuda")
+    assert attention_backends.verdict(rows(0.01), cuda)[-1].startswith("cuDNN is faster at")
+    assert attention_backends.verdict(rows(float("inf")), cuda)[-1].startswith("keep attention")
 
 
-def test_a_config_that_fails_keeps_the_other_configs_rows(gpu_report, monkeypatch, tmp_path):
+def test_a_config_that_fails_keeps_the_other_configs_rows(monkeypatch, tmp_path):
     """Big out of memory, say, in the train loop or in decoding: its row says so, and the
     rows measured before and after it stay."""
-    plan = dataclasses.replace(
-        gpu_report.TINY_PLAN,
+    sizes = dataclasses.replace(
+        report.TINY,
         loop_cases=(("base", 1), ("big", 1), ("smoke", 1)),
         decode_cases=(("base", "cpu", 1), ("big", "cpu", 1)),
     )
-    run = gpu_report.Run(torch.device("cpu"), plan, tmp_path, budget=600.0, threads=1)
+    ctx = lambda: Ctx(torch.device("cpu"), sizes, tmp_path, time.time() + 600, ROOT, "today")
 
-    def fails_for_big(run, name, *args):
+    def fails_for_big(ctx, name, *args):
         if name == "big":
             raise torch.OutOfMemoryError("CUDA out of memory")
         return {"tgt tok/s": 1.0}
 
-    monkeypatch.setattr(gpu_report, "loop_case", fails_for_big)
-    rows = gpu_report.train_loop(run).tables[""]
+    monkeypatch.setattr(train_loop, "loop_case", fails_for_big)
+    loop = ctx()
+    train_loop.train_loop(loop)
+    rows = loop.tables[""]
     assert [r["config"] for r in rows] == ["base", "big", "smoke"]
     assert "out of memory" in rows[1]["status"] and rows[0]["tgt tok/s"] == rows[2]["tgt tok/s"]
-    ours = {"search": "beam 4, ours", "sent/s": 1.0}
+    ours = {"search": "beam 4, ours", "sent/s": 1.0, "device": "cpu"}
 
-    def decode_case(run, name, *args):
-        fails_for_big(run, name)
+    def decode_case(ctx, name, *args):
+        fails_for_big(ctx, name)
         return [ours, {}, {}, {}, {}]  # ours, torch default attention, Marian, CT2, wider
 
-    monkeypatch.setattr(gpu_report, "decode_case", decode_case)
-    rows = gpu_report.decode(run).tables[""]
+    monkeypatch.setattr(decode, "decode_case", decode_case)
+    beams = ctx()
+    decode.decode(beams)
+    rows = beams.tables[""]
     assert rows[0] == ours and rows[-1]["config"] == "big" and "out of memory" in rows[-1]["status"]

@@ -1,4 +1,4 @@
-"""transformer.kernels: oneDNN matrix products and uniform-draw dropout on the CPU are
+"""transformer.nn.kernels: oneDNN matrix products and uniform-draw dropout on the CPU are
 F.linear and F.dropout in what they compute, forward and backward."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer import kernels
-from transformer.kernels import Dropout, Linear, linear
+from transformer.nn import kernels
+from transformer.nn.kernels import Dropout, Linear, linear
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"

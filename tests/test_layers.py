@@ -1,4 +1,6 @@
-"""flows/ -> tasks/ -> transformer/, never back: the library runs under bare torchrun."""
+"""flows/ -> tasks/ -> transformer/, never back: the library runs under bare torchrun. Inside
+the library, four wings over a ground floor, each arrow one way: training -> decoding ->
+nn, data -> the ground floor (config, files, the model file, tokens, console, cli)."""
 
 import ast
 import subprocess
@@ -40,3 +42,43 @@ def test_importing_the_library_loads_neither_prefect_nor_mlflow():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# What each wing may import besides itself; the ground floor imports no wing. The commands
+# (`python -m transformer.train`, ...) are the entry points of the wings' modules.
+WINGS = {
+    "nn": {"ground"},
+    "data": {"ground"},
+    "decoding": {"ground", "nn", "data"},
+    "training": {"ground", "nn", "data", "decoding"},
+    "ground": set(),
+}
+COMMANDS = {"train", "translate", "average", "export", "evaluate"}
+
+
+def _wing(parts: tuple[str, ...]) -> str:
+    return parts[0] if len(parts) > 1 and parts[0] in WINGS else "ground"
+
+
+def test_the_wings_import_one_way():
+    wrong = []
+    for path in (ROOT / "transformer").rglob("*.py"):
+        parts = path.relative_to(ROOT / "transformer").with_suffix("").parts
+        if parts == ("__init__",) or (len(parts) == 1 and parts[0] in COMMANDS):
+            continue
+        wing = _wing(parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module + "." + a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = name.split(".")
+                if target[0] != "transformer" or len(target) < 2:
+                    continue
+                to = _wing(tuple(target[1:]))
+                if to != wing and to not in WINGS[wing]:
+                    wrong.append(f"{'/'.join(parts)}.py ({wing}) imports {name} ({to})")
+    assert not wrong, wrong

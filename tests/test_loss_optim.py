@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from opcount import OpCounter
 from torch import nn
 
-from transformer import kernels
-from transformer import loss as loss_module
 from transformer.config import TrainConfig
-from transformer.loss import label_smoothed_loss
-from transformer.optim import (
+from transformer.nn import kernels
+from transformer.nn import loss as loss_module
+from transformer.nn.loss import label_smoothed_loss
+from transformer.training.optim import (
     build_optimizer,
     cooldown_factor,
     inverse_sqrt_schedule,

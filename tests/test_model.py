@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from transformer.config import ModelConfig, TrainConfig, load_params
-from transformer.kv_cache import Shrink
-from transformer.loss import label_smoothed_loss
-from transformer.model import MultiHeadAttention, Transformer, key_mask
-from transformer.optim import build_optimizer
-from transformer.vocab import BOS, PAD
+from transformer.nn.kv_cache import Shrink
+from transformer.nn.loss import label_smoothed_loss
+from transformer.nn.model import MultiHeadAttention, Transformer, key_mask
+from transformer.tokens import BOS, PAD
+from transformer.training.optim import build_optimizer
 
 PARAMS = Path(__file__).resolve().parents[1] / "params"
 V = 50
@@ -187,8 +187,8 @@ def test_cached_steps_give_attention_keys_and_values_it_takes_without_a_copy(mon
     """A step's batched attention products take the cache's keys and values as views: their
     (sentences, heads) dimensions merge into one. Keys interleaved with values per sentence,
     or heads left permuted, made every step copy every cached position first."""
-    from transformer import kernels
-    from transformer import model as model_module
+    from transformer.nn import kernels
+    from transformer.nn import model as model_module
 
     model, src, g = tiny(), tokens(2, 6), 4
     memory, padding = model.encode(src), src == PAD

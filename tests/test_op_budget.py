@@ -12,11 +12,11 @@ import pytest
 import torch
 from opcount import OpCounter
 
-from transformer import kernels
-from transformer import loss as loss_module
 from transformer.config import load_params
-from transformer.distributed import DistEnv
-from transformer.train import Trainer
+from transformer.nn import kernels
+from transformer.nn import loss as loss_module
+from transformer.training.distributed import DistEnv
+from transformer.training.trainer import Trainer
 
 BASE_CHUNKS = 4  # ceil(25,000 target tokens / (2^28 logits / 37,000))
 UPDATE_BUDGET = 1000  # the bound; 1,627 before (autocast, the 33-op loss chunk)

@@ -1,4 +1,4 @@
-"""bf16 compute weights beside the fp32 master weights (transformer/precision.py): the same
+"""bf16 compute weights beside the fp32 master weights (transformer/training/precision.py): the same
 arithmetic as autocast casting the fp32 weights at every pass, without the casts."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from transformer.config import load_params
-from transformer.loss import label_smoothed_loss
-from transformer.model import Transformer
-from transformer.precision import ComputeWeights
-from transformer.vocab import PAD
+from transformer.nn.loss import label_smoothed_loss
+from transformer.nn.model import Transformer
+from transformer.tokens import PAD
+from transformer.training.precision import ComputeWeights
 
 
 def tiny_model(tiny_params, seed=0) -> Transformer:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.config import ModelConfig
-from transformer.model import Transformer
-from transformer.search import Hypothesis, beam_search, greedy_search
-from transformer.translate import batch_by_tokens, load_translator, pad_batch
-from transformer.vocab import BOS, EOS, PAD, UNK
+from transformer.decoding.search import Hypothesis, beam_search, greedy_search
+from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
+from transformer.nn.model import Transformer
+from transformer.tokens import BOS, EOS, PAD, UNK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -448,7 +448,7 @@ def test_decoding_on_cuda_keeps_the_cast_weights_of_autocast():
     autocast (the same cache); the search on CUDA, in bf16 autocast, uses no_grad."""
     from torch.profiler import profile
 
-    from transformer.search import _inference
+    from transformer.decoding.search import _inference
 
     layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
 

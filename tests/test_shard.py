@@ -14,7 +14,7 @@ import sentencepiece as spm
 from transformer.config import ShardConfig
 from transformer.data import DataError, shard
 from transformer.data.shard import VERIFIED, encode_and_shard, verify_shards
-from transformer.vocab import EOS, PAD
+from transformer.tokens import EOS, PAD
 
 WORDS_EN = [
     "the",

@@ -11,13 +11,14 @@ from test_search import HostReads, batch, real_sources, tiny_transformer
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from transformer import kernels, search
 from transformer.config import ModelConfig
-from transformer.kv_cache import StaticKVCache
-from transformer.model import Transformer
-from transformer.search import _StaticSearch, beam_search, max_lengths
-from transformer.translate import batch_by_tokens, load_translator, pad_batch
-from transformer.vocab import BOS, EOS, PAD
+from transformer.decoding import search
+from transformer.decoding.search import _StaticSearch, beam_search, max_lengths
+from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
+from transformer.nn import kernels
+from transformer.nn.kv_cache import StaticKVCache
+from transformer.nn.model import Transformer
+from transformer.tokens import BOS, EOS, PAD
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,15 +20,18 @@ from conftest import assert_same_training
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import transformer.train as train_module
-from transformer import checkpoint as ckpt
-from transformer import kernels
-from transformer import loss as loss_module
-from transformer.compiled import compile_stats
+import transformer.training.trainer as train_module
+from transformer import model_file
 from transformer.config import load_params, to_dict
-from transformer.distributed import DistEnv
-from transformer.optim import inverse_sqrt_schedule
-from transformer.train import batch_plan, main
+from transformer.model_file import atomic_save, load_typed
+from transformer.nn import kernels
+from transformer.nn import loss as loss_module
+from transformer.train import main
+from transformer.training import checkpoint as ckpt
+from transformer.training.compiled import compile_stats
+from transformer.training.distributed import DistEnv
+from transformer.training.optim import inverse_sqrt_schedule
+from transformer.training.plan import batch_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 # One thread: on a shared 2-core machine, two spinning OpenMP threads per process make a
@@ -74,7 +77,7 @@ def cli(params: Path, shards: Path, out: Path, *extra: str) -> list[str]:
 
 
 def final_state(run_dir: Path) -> dict:
-    return ckpt.load_typed(ckpt.list_files(run_dir, "state")[-1], ckpt.STATE_FORMAT)
+    return load_typed(ckpt.list_files(run_dir, "state")[-1], ckpt.STATE_FORMAT)
 
 
 def names(run_dir: Path, kind: str) -> list[str]:
@@ -127,7 +130,7 @@ def test_trains_logs_and_keeps_the_last_checkpoints(tiny_run, tiny_shards):
 
 def test_checkpoint_describes_itself(tiny_run, tiny_params, tiny_shards):
     _, out, _ = tiny_run
-    state = ckpt.load_file(out / "checkpoints" / "state-0000008.pt")  # weights_only=True
+    state = model_file.load_file(out / "checkpoints" / "state-0000008.pt")  # weights_only=True
     params = load_params(tiny_params, ["train.valid_bleu=true"])
     assert state["params"] == to_dict(params)
     assert state["step"] == state["progress"]["step"] == 8
@@ -141,7 +144,7 @@ def test_checkpoint_describes_itself(tiny_run, tiny_params, tiny_shards):
     assert state["data"]["consumed"] == 8  # update_freq 1: a batch per step
     assert set(state) >= {"model", "optimizer", "scheduler", "early_stopping", "checkpoints"}
     assert [s["step"] for s in state["checkpoints"]["snapshots"]] == [4, 6, 8]
-    snapshot = ckpt.load_file(out / "checkpoints" / "model-0000008.pt")
+    snapshot = model_file.load_file(out / "checkpoints" / "model-0000008.pt")
     assert set(snapshot) == {"format", "params", "data_fingerprint", "metric",
                              "higher_is_better", "step", "score", "model"}  # fmt: skip
     assert snapshot["score"] == state["early_stopping"]["best"]  # the last is the best here
@@ -360,7 +363,7 @@ def test_the_state_where_the_cooldown_begins_is_kept_to_branch_more_cooldowns(
     assert names(run, "state") == ["state-0000003.pt", "state-0000006.pt", "state-0000007.pt"]
     assert train(tiny_params, tiny_shards, held, "train.max_steps=3") == 0
     start = ckpt.checkpoint_path(run, "state", 3)
-    kept, plain = ckpt.load_typed(start, ckpt.STATE_FORMAT), final_state(held)
+    kept, plain = load_typed(start, ckpt.STATE_FORMAT), final_state(held)
     assert kept["progress"] == plain["progress"] and kept["data"] == plain["data"]
     assert all(torch.equal(kept["model"][k], plain["model"][k]) for k in kept["model"])
     assert train(tiny_params, tiny_shards, branch, *cooldown, "train.seed=2",
@@ -378,12 +381,12 @@ def test_a_resumed_optimizer_steps_with_this_machines_kernels(tiny_params, tiny_
     out = tmp_path / "run"
     assert train(tiny_params, tiny_shards, out, "train.max_steps=2") == 0
     path = ckpt.list_files(out, "state")[-1]
-    state = ckpt.load_typed(path, ckpt.STATE_FORMAT)
+    state = load_typed(path, ckpt.STATE_FORMAT)
     for group in state["optimizer"]["param_groups"]:
         group["fused"] = None  # as an unfused optimizer saved it
-    ckpt.atomic_save(state, path)
+    atomic_save(state, path)
     assert train(tiny_params, tiny_shards, out, "train.max_steps=3") == 0
-    groups = ckpt.load_typed(ckpt.list_files(out, "state")[-1], ckpt.STATE_FORMAT)["optimizer"]
+    groups = load_typed(ckpt.list_files(out, "state")[-1], ckpt.STATE_FORMAT)["optimizer"]
     assert [g["fused"] for g in groups["param_groups"]] == [True]
 
 

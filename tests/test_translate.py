@@ -14,18 +14,13 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from transformer import translate as translate_module
-from transformer.checkpoint import ModelFile, load_model_file, save_model_file
 from transformer.config import DecodeConfig, ModelConfig, load_params, to_dict
-from transformer.model import Transformer
-from transformer.search import beam_search, greedy_search
-from transformer.translate import (
-    batch_by_tokens,
-    load_translator,
-    main,
-    translate_lines,
-)
-from transformer.vocab import BOS, EOS, PAD, UNK
+from transformer.decoding import translate as translate_module
+from transformer.decoding.search import beam_search, greedy_search
+from transformer.decoding.translate import batch_by_tokens, load_translator, main, translate_lines
+from transformer.model_file import ModelFile, load_model_file, save_model_file
+from transformer.nn.model import Transformer
+from transformer.tokens import BOS, EOS, PAD, UNK
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the house is small a cat sat on mat das haus ist klein eine katze sass auf der matte"

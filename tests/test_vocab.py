@@ -13,18 +13,9 @@ import pytest
 import sentencepiece as spm
 
 from transformer.config import VocabConfig
+from transformer.data.vocab import VocabError, learn_vocab, load_spm, sample_indices
 from transformer.files import file_sha256
-from transformer.vocab import (
-    BOS,
-    EOS,
-    PAD,
-    SPECIAL_IDS,
-    UNK,
-    VocabError,
-    learn_vocab,
-    load_spm,
-    sample_indices,
-)
+from transformer.tokens import BOS, EOS, PAD, SPECIAL_IDS, UNK
 
 SMOKE = Path(__file__).resolve().parents[1] / "data" / "smoke"
 

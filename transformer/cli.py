@@ -1,11 +1,22 @@
-"""What every command of the project shares: a usage error is one line on stderr and exit
-code 2, like every other user error (argparse prints its usage block first)."""
+"""What every command of the project shares: a user error is one line on stderr and exit
+code 2 (argparse prints its usage block first); anything else is a bug, with its traceback."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import NoReturn
+
+
+class UserError(Exception):
+    """Bad params, data, files or checkpoints: the message names the culprit, so one line
+    says it all. The library's errors of that kind derive from it (ParamsError, DataError,
+    VocabError, CheckpointError)."""
+
+
+# What a command, or the pipeline around it, reports in one line: the library's user errors
+# and the operating system's (a missing file, a full disk, a permission), which name the path.
+USER_ERRORS = (UserError, OSError)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -23,8 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
+from transformer.cli import UserError
 
-class ParamsError(ValueError):
+
+class ParamsError(UserError, ValueError):
     """A params file or override is wrong; the message names the file and the key."""
 
 
@@ -240,7 +242,7 @@ class TrainConfig(Section):
     rdrop_alpha: float = added(0.0, ge=0.0)
     clip_norm: float = Field(0.0, ge=0.0)  # 0 = no clipping (the paper clips nothing)
     precision: Literal["fp32", "bf16"] = "bf16"  # bf16 autocast, fp32 masters; a CPU without
-    # bf16 instructions (AVX512_BF16, AMX) trains in fp32 (transformer/kernels.py)
+    # bf16 instructions (AVX512_BF16, AMX) trains in fp32 (transformer/nn/kernels.py)
     compile: bool = operational(False)  # torch.compile per layer, and the loss (compiled.py)
     # Static batch shapes, what torch.compile without recompiling and CUDA-graph capture
     # need: every training batch padded to one of at most this many (B, S, T) shapes, length
@@ -321,7 +323,7 @@ Quantization = Literal[
 
 
 class ExportConfig(Section):
-    """Serving formats written from the averaged model (transformer/export.py)."""
+    """Serving formats written from the averaged model (transformer/decoding/export.py)."""
 
     formats: list[ExportFormat] = []
     quantization: Quantization | None = None  # CTranslate2 only; None: fp32, as trained

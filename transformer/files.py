@@ -1,4 +1,5 @@
-"""The names of the files a run writes, in one place, and the atomic ways they are written.
+"""The names of the files a run writes, in one place, the atomic ways they are written, and
+the lock that keeps two writers of one folder apart.
 
 A stage folder is complete or absent: `atomic_dir` builds it beside its final name and
 renames it into place; single files go through `atomic_write` (write aside, fsync, rename).
@@ -6,13 +7,15 @@ renames it into place; single files go through `atomic_write` (write aside, fsyn
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 SPM_MODEL = "spm.model"  # the joint sentencepiece model (vocab stage, shards, run folder)
 SPM_VOCAB = "spm.vocab"  # its piece list, for people
@@ -91,14 +94,19 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write `data` beside `path`, fsync, rename: a kill leaves the old file or the new."""
+def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO], object]) -> Path:
+    """Write `data` (or what `data(file)` writes, torch.save say) beside `path`, fsync,
+    rename: a kill leaves the old file or the new, and a leftover that remove_leftovers
+    finds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -106,6 +114,22 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+@contextmanager
+def locked(path: str | os.PathLike, waiting: Callable[[], object]) -> Iterator[None]:
+    """An exclusive lock on the file `path` (made if absent) for the block, across
+    processes; if another process holds it, `waiting()` says so, then this one waits. The
+    lock goes with the open file: a process that dies, killed or not, releases it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waiting()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def remove_leftovers(out_dir: str | os.PathLike) -> list[Path]:

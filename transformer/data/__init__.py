@@ -6,8 +6,10 @@ write their output directory atomically (`transformer.files.atomic_dir`), so a k
 leaves no directory that a rerun would trust.
 """
 
+from transformer.cli import UserError
+
 ROLES = ("train", "valid", "test")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Input data is missing or malformed; the message names the file (and line)."""

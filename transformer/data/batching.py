@@ -33,7 +33,7 @@ import torch
 from transformer.data import DataError
 from transformer.data.shard import load_manifest
 from transformer.files import SPM_MODEL
-from transformer.vocab import BOS, EOS, PAD
+from transformer.tokens import BOS, EOS, PAD
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from transformer.config import CleanConfig
+from transformer.console import Progress
 from transformer.data import ROLES, DataError
 from transformer.data.sources import SCHEMA, read_batches
 from transformer.files import CLEAN_REPORT, PREPARE_REPORT, atomic_dir
-from transformer.metrics import Progress
 
 log = logging.getLogger(__name__)
 

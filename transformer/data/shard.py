@@ -50,10 +50,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from transformer.config import ShardConfig, fingerprint, identity, to_dict
+from transformer.console import Progress
 from transformer.data import ROLES, DataError
+from transformer.data.vocab import load_spm
 from transformer.files import MANIFEST, SPM_MODEL, atomic_dir, atomic_write, file_sha256
-from transformer.metrics import Progress
-from transformer.vocab import SPECIAL_IDS, load_spm
+from transformer.tokens import SPECIAL_IDS
 
 log = logging.getLogger(__name__)
 

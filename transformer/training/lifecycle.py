@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import logging
 import os
 import shutil
@@ -15,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from transformer.distributed import DistEnv, barrier
-from transformer.files import CHECKPOINTS
+from transformer.files import CHECKPOINTS, locked
+from transformer.training.distributed import DistEnv, barrier
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +26,8 @@ def prepare_run_dir(run_dir: Path, reset: bool, env: DistEnv) -> Iterator[None]:
     that races a dying predecessor waits for it to save and exit)."""
     with contextlib.ExitStack() as held:
         if env.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            held.enter_context(_lock(run_dir / ".lock"))
+            message = "another trainer is running in %s: waiting for it"
+            held.enter_context(locked(run_dir / ".lock", lambda: log.warning(message, run_dir)))
             if reset:
                 shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
                 log.info("--reset: deleted the checkpoints of %s", run_dir)
@@ -36,17 +35,6 @@ def prepare_run_dir(run_dir: Path, reset: bool, env: DistEnv) -> Iterator[None]:
                 tmp.unlink(missing_ok=True)
         barrier()
         yield
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("another trainer is running in %s: waiting for it", path.parent)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock, also when the process dies
 
 
 def die_with_parent(asked: bool) -> None:

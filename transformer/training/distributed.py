@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from transformer.compiled import compile_layers
+from transformer.training.compiled import compile_layers
 
 
 @dataclass(frozen=True)

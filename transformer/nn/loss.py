@@ -22,7 +22,7 @@ import functools
 import torch
 from torch import Tensor
 
-from transformer.kernels import cpu_path, linear
+from transformer.nn.kernels import cpu_path, linear
 
 # Logits per chunk, whatever the vocabulary. On a GPU, 512 MB in bf16: few, large products
 # (and few launches: each chunk is ~20 ops). On a CPU, 8 MB: a chunk stays in cache, and

@@ -18,10 +18,15 @@ import torch
 
 from transformer.config import Params
 from transformer.data.batching import BatchLoader, ShardDataset, TokenBatchSampler
-from transformer.distributed import DistEnv, all_gather_objects, all_reduce_sum, broadcast_object
-from transformer.loss import label_smoothed_loss
-from transformer.model import Transformer
-from transformer.vocab import EOS, PAD
+from transformer.nn.loss import label_smoothed_loss
+from transformer.nn.model import Transformer
+from transformer.tokens import EOS, PAD
+from transformer.training.distributed import (
+    DistEnv,
+    all_gather_objects,
+    all_reduce_sum,
+    broadcast_object,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env:
     """Decode this rank's share (greedy, or beam train.valid_beam), gather, score on rank 0
     and send the score to every rank: each rank's early stopping and checkpoint choice read
     it, and must decide alike (a rank that stops alone leaves the others in a collective)."""
-    from transformer.search import beam_search, greedy_search
+    from transformer.decoding.search import beam_search, greedy_search
 
     d, beam = params.decode, params.train.valid_beam
     pairs = []
@@ -94,7 +99,7 @@ def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env:
 def shared_bleu(pairs: list[tuple[int, str, str]], env: DistEnv) -> float:
     """BLEU of every rank's (id, hypothesis, reference) pairs, in id order: scored on rank 0,
     the same number returned on every rank."""
-    from transformer.evaluate import score  # sacrebleu: only when asked for
+    from transformer.decoding.evaluate import score  # sacrebleu: only when asked for
 
     gathered = all_gather_objects(pairs)
     bleu = None

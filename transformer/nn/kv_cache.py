@@ -1,4 +1,4 @@
-"""The decoder's key/value caches for step-by-step decoding (transformer.search): each
+"""The decoder's key/value caches for step-by-step decoding (transformer.decoding.search): each
 `decode()` computes only its new positions, and beam search reorders hypotheses by moving
 small masks, not keys and values.
 
@@ -278,17 +278,9 @@ class StaticKVCache:
             self.visible = moved
 
 
-class StaticSelfAttentionKV:
+class StaticSelfAttentionKV(SelfAttentionKV):
     """One layer's self-attention keys and values (2, B', h, slots, d_k), keys first (as
-    SelfAttentionKV), allocated by the first `extend()`."""
-
-    def __init__(self, cache: StaticKVCache):
-        self.cache = cache
-        self.kv: Tensor | None = None
-
-    @property
-    def mask(self) -> Tensor:
-        return self.cache.mask
+    SelfAttentionKV), allocated by the first `extend()` for all the slots of its cache."""
 
     def extend(self, kv: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new position's keys and values kv (2, B, h, 1, d_k) in its slots, in

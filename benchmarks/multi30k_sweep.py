@@ -1,7 +1,11 @@
 """Multi30k EN-DE sweep on one GPU: N runs of params/multi30k.yaml side by side (the flow's
 shards), each then averaged (best 5) and decoded/scored as the flow does. Re-runnable: a
 second call resumes unfinished runs (SIGTERM saves them) and scores finished ones.
-python3 .m30k/sweep.py OUT WINDOW_S [adapt]
+On the device it was copied into .m30k/ (beside the shards, the references and the wheels)
+and run from the repository root as
+    python3 .m30k/sweep.py OUT WINDOW_S [adapt]
+by the commands of benchmarks/results/2026-11-27-h200-multi30k/NOTES.md (arms A-E) and
+benchmarks/rdrop_sweep.sh (arms R-T, 2026-11-27-h200-rdrop/).
 (Formatted for the linter after the runs; otherwise as run.)"""
 
 import json
@@ -26,6 +30,9 @@ ARMS = {
     "C": ["model.dropout=0.4"],
     "D": ["model.dropout=0.25"],
     "E": ["train.label_smoothing=0.05"],
+    "R": ["train.rdrop_alpha=5"],  # added for the R-Drop sweep (2026-11-27-h200-rdrop)
+    "S": ["train.rdrop_alpha=2"],
+    "T": ["train.rdrop_alpha=1"],
 }
 ORDER = os.environ.get("ORDER", "A1 B1 A2 B2 A3 B3 C1 C2 A4 B4 C3 C4").split()
 COMMON = [
@@ -83,8 +90,8 @@ def score_main(name):
     import pyarrow.parquet as pq
 
     from transformer.config import load_params
-    from transformer.evaluate import score_split, tokenized_refs
-    from transformer.translate import load_translator, translate_lines
+    from transformer.decoding.evaluate import score_split, tokenized_refs
+    from transformer.decoding.translate import load_translator, translate_lines
 
     model = RUNS / f"{name}-avg.pt"
     subprocess.run(

@@ -20,8 +20,8 @@ import matplotlib.pyplot as plt
 import torch
 from torch import Tensor
 
-from transformer.model import MultiHeadAttention, Transformer
-from transformer.vocab import BOS, EOS, PAD
+from transformer.nn.model import MultiHeadAttention, Transformer
+from transformer.tokens import BOS, EOS, PAD
 
 
 def attention_weights(model: Transformer, src: list[int], tgt: list[int]) -> dict[str, Tensor]:

@@ -1,3 +1,6 @@
+# The R-Drop sweep's device script (benchmarks/results/2026-11-27-h200-rdrop/NOTES.md): run
+# from the repository root as `bash .m30k/go.sh`, .m30k/sweep.py being a copy of
+# benchmarks/multi30k_sweep.py (its arms R, S, T). As run:
 # call 1: GPU tests beside a 12-run R-Drop sweep under MPS; everything under $OUT in <= 8 files
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .m30k/whl/*.whl || exit

@@ -1,9 +1,8 @@
-"""Self-describing files: atomic saves, safe loads, the exported model format, and the
-checkpoint manager of a run folder.
+"""The checkpoints of a run folder: its training states and model snapshots, the resume
+policy, every rank's RNG. The files are model_file.py's: plain dicts of tensors and JSON-able
+values, loaded with weights_only.
 
-Every file is a plain dict of tensors and JSON-able values saved with `torch.save`, loaded
-with `torch.load(weights_only=True)`: no pickled code runs when a file from elsewhere is
-opened. A run folder holds, under `checkpoints/`:
+A run folder holds, under `checkpoints/`:
 
     state-NNNNNNN.pt   everything resuming needs (model, optimizer, schedule, sampler, every
                        rank's RNG, progress, early stopping): the newest KEEP_STATES, and
@@ -20,12 +19,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 import random
 import re
-import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,127 +28,16 @@ import numpy as np
 import torch
 
 from transformer.config import ModelConfig, TrainConfig, flatten, operational_keys, to_dict
-from transformer.distributed import all_gather_objects
 from transformer.files import CHECKPOINTS, atomic_write
+from transformer.model_file import CheckpointError, atomic_save, load_typed
+from transformer.training.distributed import all_gather_objects
 
-MODEL_FORMAT = "transformer-mt/model/1"
 STATE_FORMAT = "transformer-mt/state/1"
 SNAPSHOT_FORMAT = "transformer-mt/snapshot/1"
 KEEP_STATES = 2  # the newest training state, and one to fall back on if it is unreadable
 _NAME = re.compile(r"(state|model)-(\d{7})\.pt")
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint or model file is missing, truncated, corrupt or of another kind."""
-
-
-def atomic_save(obj: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write `obj` beside `path`, fsync, then rename: a kill leaves the old file or none."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a run folder is shared
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
-        Path(tmp).unlink(missing_ok=True)
-        free = shutil.disk_usage(path.parent).free / 1e9
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CheckpointError(f"{path}: cannot write ({reason}; {free:.2f} GB free)") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def load_file(
-    path: str | os.PathLike, map_location: str | torch.device = "cpu", mmap: bool = False
-) -> dict:
-    """torch.load with weights_only=True; any failure is a CheckpointError naming the file.
-
-    `mmap` maps the tensors instead of reading them: only what is used comes off the disk
-    (the model of a state that also holds the optimizer), and ranks share the pages.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as err:  # truncated zip, foreign format, a pickle that would run code
-        raise CheckpointError(f"{path}: unreadable ({_reason(err)})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: not a checkpoint (top level is {type(obj).__name__})")
-    return obj
-
-
-def _reason(err: Exception) -> str:
-    # torch's message for a pickle that needs code runs to paragraphs and ends by advising
-    # weights_only=False, which is exactly what must not be done with a file from elsewhere.
-    if "weights_only" in str(err) or isinstance(err, pickle.UnpicklingError):
-        return "it holds objects that only running code could rebuild: refused"
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
-def load_typed(path: str | os.PathLike, kind: str, mmap: bool = False) -> dict:
-    """A file of format `kind` (STATE_FORMAT, SNAPSHOT_FORMAT, MODEL_FORMAT), loaded safely."""
-    obj = load_file(path, mmap=mmap)
-    if obj.get("format") != kind:
-        raise CheckpointError(f"{path}: a {obj.get('format')!r} file, not {kind!r}")
-    return obj
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    """An exported model: everything `translate` needs, in one file."""
-
-    params: dict[str, Any]  # the resolved params tree of the run that trained it
-    model: dict[str, torch.Tensor]  # state_dict
-    spm_model: bytes  # the sentencepiece model, serialized
-    meta: dict[str, Any]  # step, averaged_from, data fingerprint, ...
-
-
-def save_model_file(path: str | os.PathLike, m: ModelFile) -> Path:
-    blob = torch.frombuffer(bytearray(m.spm_model), dtype=torch.uint8)
-    return atomic_save(
-        {
-            "format": MODEL_FORMAT,
-            "params": m.params,
-            "model": m.model,
-            "spm_model": blob,
-            "meta": m.meta,
-        },
-        path,
-    )
-
-
-def load_model_file(path: str | os.PathLike, map_location: str = "cpu") -> ModelFile:
-    obj = load_file(path, map_location)
-    if obj.get("format") != MODEL_FORMAT:
-        raise CheckpointError(
-            f"{path}: not an exported model (format {obj.get('format')!r}, "
-            f"expected {MODEL_FORMAT!r}); export one with `python -m transformer.average`"
-        )
-    try:
-        return ModelFile(
-            params=obj["params"],
-            model=obj["model"],
-            spm_model=obj["spm_model"].numpy().tobytes(),
-            meta=obj["meta"],
-        )
-    except (KeyError, AttributeError, TypeError) as err:
-        raise CheckpointError(f"{path}: an incomplete model file ({err})") from None
 
 
 # --------------------------------------------------------------------------- run folders
@@ -291,11 +175,6 @@ class CheckpointManager:
                 "(see the warnings): move them away, or start over with --reset"
             )
         return None
-
-    def remove_partial_writes(self) -> None:
-        """Temporary files of saves that a kill interrupted (never trusted, only in the way)."""
-        for tmp in (self.run_dir / CHECKPOINTS).glob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
 
 
 def select_snapshots(

@@ -127,7 +127,7 @@ def attention(
 def describe(device: torch.device | str) -> str:
     """One line for a log: what runs the matrix products."""
     if torch.device(device).type == "cpu" and ONEDNN:
-        return "matrix products: oneDNN (transformer/kernels.py), not torch's MKL"
+        return "matrix products: oneDNN (transformer/nn/kernels.py), not torch's MKL"
     return "matrix products: torch's F.linear"
 
 

@@ -1,4 +1,4 @@
-"""The joint sentencepiece vocabulary and its fixed special ids.
+"""The joint sentencepiece vocabulary, with the fixed special ids of tokens.py.
 
 The ids are fixed (not read from each model) so that shards, checkpoints and decoders agree
 without passing a vocabulary object around; `learn_vocab` trains sentencepiece with them.
@@ -21,17 +21,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import sentencepiece as spm
 
+from transformer.cli import UserError
 from transformer.config import VocabConfig
 from transformer.data.sources import read_batches
 from transformer.files import SPM_MODEL, SPM_VOCAB, VOCAB_REPORT, atomic_dir, file_sha256
+from transformer.tokens import BOS, EOS, PAD, SPECIAL_IDS, UNK
 
 log = logging.getLogger(__name__)
 
-PAD, UNK, BOS, EOS = 0, 1, 2, 3
-SPECIAL_IDS = {"pad": PAD, "unk": UNK, "bos": BOS, "eos": EOS}
 
-
-class VocabError(ValueError):
+class VocabError(UserError, ValueError):
     """A vocabulary cannot be learned from this data, or a model has the wrong special ids."""
 
 
@@ -196,5 +195,5 @@ def check_special_ids(processor: spm.SentencePieceProcessor, where: str = "model
     if actual != SPECIAL_IDS:
         raise VocabError(
             f"{where}: special ids {actual} differ from the fixed {SPECIAL_IDS}; "
-            "learn the vocabulary with transformer.vocab.learn_vocab"
+            "learn the vocabulary with transformer.data.vocab.learn_vocab"
         )

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer.config import ModelConfig
-from transformer.kernels import Dropout, Linear, attention, linear
-from transformer.kv_cache import KVCache, SelfAttentionKV
+from transformer.nn.kernels import Dropout, Linear, attention, linear
+from transformer.nn.kv_cache import KVCache, SelfAttentionKV
 
 
 def sinusoidal(pos: Tensor, d_model: int) -> Tensor:

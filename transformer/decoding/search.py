@@ -57,9 +57,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer.attention import attention_context
-from transformer.kv_cache import Shrink, StaticKVCache
-from transformer.vocab import BOS, EOS, PAD
+from transformer.nn.attention import attention_context
+from transformer.nn.kv_cache import Shrink, StaticKVCache
+from transformer.tokens import BOS, EOS, PAD
 
 # The static search asks the host whether all sentences are done once per this many steps
 # on CUDA: each check is a sync, after which the GPU idles until the host launches again,
@@ -167,9 +167,10 @@ def _dtype(memory: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else memory.dtype
 
 
-def _inference(device: torch.device):
+def _inference(device: torch.device, restrict_attention: bool = True):
     stack = contextlib.ExitStack()
-    stack.enter_context(attention_context(device))  # no cuDNN plan per new key length
+    if restrict_attention:
+        stack.enter_context(attention_context(device))  # no cuDNN plan per new key length
     if device.type == "cuda":
         # no_grad, not inference_mode: under inference_mode autocast keeps no cast weights
         # and would cast every weight to bf16 again at every step (tests/test_search.py).
@@ -386,6 +387,7 @@ def beam_search(
     cached: bool = True,
     early_stop: str = "exact",
     static: bool | None = None,
+    restrict_attention: bool = True,
 ) -> list[list[Hypothesis]]:
     """Beam search for each sentence of `src` (B, S), PAD-padded, each ending with EOS, with
     a model or an ensemble (a list of models).
@@ -397,6 +399,8 @@ def beam_search(
     beam_size hypotheses finished: fairseq's, Marian's and CTranslate2's rule).
     `static`: the static search (True) or the shrinking one (False); by default the
     device's (`_static_by_default`). The uncached reference is always the shrinking one.
+    `restrict_attention=False` leaves torch its own choice of attention kernels instead of
+    transformer/nn/attention.py's (what the GPU report measures that choice against).
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best ({n_best}) must lie in [1, beam_size ({beam_size})]")
@@ -409,8 +413,8 @@ def beam_search(
     if static is None:
         static = cached and _static_by_default(src.device)
     if static:
-        return _StaticSearch.run(model, *args)
-    return _shrinking_beam_search(model, *args, cached=cached)
+        return _StaticSearch.run(model, *args, restrict_attention=restrict_attention)
+    return _shrinking_beam_search(model, *args, cached, restrict_attention)
 
 
 def _static_by_default(device: torch.device) -> bool:
@@ -425,10 +429,10 @@ def _static_by_default(device: torch.device) -> bool:
 
 
 def _shrinking_beam_search(
-    model, src, k, alpha, max_len_a, max_len_b, n_best, max_len, stop_at, cached
+    model, src, k, alpha, max_len_a, max_len_b, n_best, max_len, stop_at, cached, restrict
 ):
     dev, n = src.device, src.size(0)
-    with _inference(dev):
+    with _inference(dev, restrict):
         limit, shortest, longest = _limits(src, max_len_a, max_len_b, max_len)
         beams, history = _Beams(limit, k, n_best, alpha, stop_at, longest + 1), _History()
         decoder = _Decoder(model, src, longest, cached)
@@ -511,14 +515,25 @@ class _StaticSearch:
 
     @classmethod
     def run(
-        cls, model, src, k, alpha, max_len_a, max_len_b, n_best, max_len, stop_at, compile=None
+        cls,
+        model,
+        src,
+        k,
+        alpha,
+        max_len_a,
+        max_len_b,
+        n_best,
+        max_len,
+        stop_at,
+        compile=None,
+        restrict_attention=True,
     ):
         """The search; `compile`: torch.compile's backend for steps 1.. (tests count its
         compilations), instead of the device's way: eager steps on a CPU (attending over
         the slots written so far), a CUDA graph on CUDA."""
         dev = src.device
         cuda = dev.type == "cuda" and compile is None
-        with _inference(dev):  # on CUDA: bf16 autocast, as the shrinking search
+        with _inference(dev, restrict_attention):  # on CUDA: bf16 autocast, as the shrinking search
             limit, _, longest = _limits(src, max_len_a, max_len_b, max_len)
             search = cls(model, src, k, alpha, limit, longest, n_best, stop_at)
             if cuda:

@@ -17,9 +17,10 @@ So on CUDA the order is fixed here (`CUDA_BACKENDS`), by what each call of model
   cross-attention, boolean; additive where decoding with the KV cache, and its
   visibility in beam search), and fp32 on GPU;
 - math: anything else (a dtype or head size the fused kernels refuse), never an error.
-cuDNN is left out. It is to be admitted only if `benchmarks/gpu_report.py` (section
-"environment") measures it faster at every call kind with the cost of new shapes counted;
-then it goes into CUDA_BACKENDS at its place in the order, with the measurement cited.
+cuDNN is left out. It is to be admitted only if the GPU report's attention section
+(`benchmarks/gpu_report/attention_backends.py`) measures it faster at every call kind with
+the cost of new shapes counted; then it goes into CUDA_BACKENDS at its place in the order,
+with the measurement cited.
 
 On CPU there is no cuDNN and torch's choice (its flash kernel, else math) stands: the
 context is a no-op there.
@@ -33,8 +34,9 @@ import inspect
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# The deliberate choice, in priority order. Revise only with benchmarks/gpu_report.py's
-# measurement on the GPU in question (its report names the faster backend per call kind).
+# The deliberate choice, in priority order. Revise only with the GPU report's measurement
+# on the GPU in question (benchmarks/gpu_report/attention_backends.py names the faster
+# backend per call kind).
 CUDA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 # torch's CPU kernels: listed for `describe`, never restricted.
 CPU_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH)
@@ -77,4 +79,4 @@ def describe(device: torch.device | str) -> str:
         else "cuDNN left out: it builds a plan per exact shape, and every batch and "
         "beam-search step brings new shapes"
     )
-    return f"attention: SDPA restricted to {order} (transformer/attention.py); {cudnn}"
+    return f"attention: SDPA restricted to {order} (transformer/nn/attention.py); {cudnn}"

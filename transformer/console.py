@@ -1,0 +1,71 @@
+"""What a person watching a command sees: the library's log lines on stdout, a progress bar
+on a terminal (a line every tenth of the way elsewhere), durations in words."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from tqdm import tqdm
+
+
+def format_duration(seconds: float) -> str:
+    """65 -> '1m05s', 3725 -> '1h02m', 9 -> '9s'."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class _TqdmHandler(logging.Handler):
+    """Log records through tqdm.write, so they never break the progress bar; sys.stdout is
+    looked up at each record (it is replaced under test runners)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+            sys.stdout.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(is_main: bool, timestamps: bool = True) -> None:
+    """Messages of the `transformer` package to stdout: INFO on rank 0, warnings elsewhere.
+    `timestamps=False` for a caller that stamps each line itself (the pipeline's logger)."""
+    log = logging.getLogger("transformer")
+    handler = next((h for h in log.handlers if isinstance(h, _TqdmHandler)), None)
+    if handler is None:
+        handler = _TqdmHandler()
+        log.addHandler(handler)
+    fmt = "%(asctime)s %(levelname)s %(message)s" if timestamps else "%(levelname)s %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+
+
+class Progress:
+    """How far a long data stage is: a bar on a terminal; elsewhere (a pipeline's log, a
+    pipe) a line at every tenth of the way, so a slow machine shows progress, not a hang."""
+
+    def __init__(self, what: str, total: int, unit: str, log: logging.Logger):
+        self.what, self.total, self.unit, self.log = what, total, unit, log
+        self.done, self.start = 0, time.monotonic()
+        self.next_tenth = 1
+        self.bar = tqdm(total=total, desc=what, unit=unit, file=sys.stderr,
+                        disable=not sys.stderr.isatty(), leave=False)  # fmt: skip
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.bar.disable and self.total and self.done * 10 >= self.next_tenth * self.total:
+            self.next_tenth = self.done * 10 // self.total + 1
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / self.done * (self.total - self.done)
+            self.log.info("%s: %s/%s %s (%d%%), eta %s", self.what, f"{self.done:,}",
+                          f"{self.total:,}", self.unit, 100 * self.done // self.total,
+                          format_duration(eta))  # fmt: skip
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,174 @@
+"""Decode and score: the decode stage's library function, and the scores it reports.
+
+- `bleu`, `chrf` (sacreBLEU on detokenized output against the raw references, each with
+  sacreBLEU's signature), and `bleu_lc` (the same, case-insensitive): the reproducible
+  standard, comparable wherever the signature matches.
+- `bleu_tok_compound` (ScoreConfig.compound_split; WMT14 EN-DE): what the paper reports
+  (tensor2tensor's get_ende_bleu.sh): tokenized hypotheses and references, compounds split
+  as "rich ##AT##-##AT## text", unsmoothed multi-bleu. Here the tokenizer is sacreBLEU's 13a,
+  not Moses' tokenizer.perl, so the figure is close to the paper's method, not identical.
+- `bleu_tok_lc` (ScoreConfig.tokenized_refs; Multi30k): the scale papers on a corpus quote
+  when the corpus ships its own tokenized references: hypotheses lowercased,
+  punctuation-normalised and tokenized with sacremoses (Moses' scripts, maintained in
+  Python), unsmoothed BLEU against those references. Not sacreBLEU: never compare the two.
+
+`python -m transformer.evaluate HYP REF [--lowercase]` prints sacreBLEU scores as JSON.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+from transformer.cli import ArgumentParser
+from transformer.config import DataConfig, DecodeConfig, ScoreConfig
+from transformer.data import DataError
+from transformer.files import SCORES, atomic_dir, file_sha256, hypotheses
+
+# get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Python's re.sub, like
+# Perl's s///g, replaces non-overlapping matches left to right, so "a-b-c" gives
+# "a ##AT##-##AT## b-c" in both: the script's quirk is kept, to stay comparable.
+_COMPOUND = re.compile(r"(\S)-(\S)")
+_UNSMOOTHED = {"tokenize": "none", "smooth_method": "none", "force": True}
+ATTENTION_SENTENCES = 2  # test sentences whose attention maps the decode stage draws
+
+
+def score(hyps: list[str], refs: list[str], lowercase: bool = False) -> dict:
+    """sacreBLEU's BLEU and chrF, with their signatures."""
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    bleu, chrf = BLEU(lowercase=lowercase), CHRF(lowercase=lowercase)
+    return {
+        "bleu": bleu.corpus_score(hyps, [refs]).score,
+        "chrf": chrf.corpus_score(hyps, [refs]).score,
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+    }
+
+
+def compound_split_bleu(hyps: list[str], refs: list[str]) -> float:
+    """get_ende_bleu.sh's preprocessing (13a standing in for Moses), then multi-bleu."""
+    tok = Tokenizer13a()
+
+    def split(lines: list[str]) -> list[str]:
+        return [_COMPOUND.sub(r"\1 ##AT##-##AT## \2", tok(line)) for line in lines]
+
+    return BLEU(**_UNSMOOTHED).corpus_score(split(hyps), [split(refs)]).score
+
+
+def tokenized_lc_bleu(hyps: list[str], tok_refs: list[str], lang: str) -> float:
+    """Lowercase, normalise punctuation, Moses-tokenize (escaping as tokenizer.perl does),
+    then unsmoothed BLEU against references already processed that way."""
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+    normalizer, tokenizer = MosesPunctNormalizer(lang), MosesTokenizer(lang)
+    tokenized = [
+        tokenizer.tokenize(normalizer.normalize(h.lower()), return_str=True, escape=True)
+        for h in hyps
+    ]
+    if len(tokenized) != len(tok_refs):
+        raise ValueError(f"{len(tokenized)} hypotheses but {len(tok_refs)} tokenized references")
+    return BLEU(**_UNSMOOTHED).corpus_score(tokenized, [tok_refs]).score
+
+
+def score_split(
+    hyps: list[str], refs: list[str], cfg: ScoreConfig, lang: str, tok_refs: Path | None
+) -> dict:
+    """Every score the params ask for, for one split."""
+    lower = score(hyps, refs, lowercase=True)
+    out = score(hyps, refs) | {
+        "bleu_lc": lower["bleu"],
+        "bleu_lc_signature": lower["bleu_signature"],
+    }
+    if cfg.compound_split:
+        out["bleu_tok_compound"] = compound_split_bleu(hyps, refs)
+    if tok_refs is not None:
+        out["bleu_tok_lc"] = tokenized_lc_bleu(hyps, read_lines(tok_refs), lang)
+    return out
+
+
+def tokenized_refs(cfg: ScoreConfig, data: DataConfig, role: str) -> Path | None:
+    """The corpus's own tokenized reference file for a split, if the params name a folder."""
+    if cfg.tokenized_refs is None:
+        return None
+    split = getattr(data.splits, role)
+    base = Path(cfg.tokenized_refs).expanduser().resolve() / f"{split}.lc.norm.tok.{data.tgt_lang}"
+    for path in (base, base.with_name(base.name + ".gz")):
+        if path.is_file():
+            return path
+    raise DataError(f"{base}: no such file (nor .gz): score.tokenized_refs names no reference")
+
+
+def reference_fingerprints(cfg: ScoreConfig, data: DataConfig) -> dict[str, str]:
+    """sha256 of the tokenized reference files the scores will read (none if not asked)."""
+    found = {role: tokenized_refs(cfg, data, role) for role in ("valid", "test")}
+    return {role: file_sha256(path) for role, path in found.items() if path is not None}
+
+
+def decode_and_score(
+    model_path: Path,
+    cleaned: Path,
+    data: DataConfig,
+    decode_cfg: DecodeConfig,
+    score_cfg: ScoreConfig,
+    out_dir: Path,
+    device: str,
+) -> dict:
+    """Translate the valid and test splits of the cleaned corpus with beam search, score
+    them against the raw references; write `{role}.hyp`, scores.json and the attention maps
+    of the first test sentences (attention/sentence-N/) atomically."""
+    from transformer.decoding.attention_maps import draw_sentence
+    from transformer.decoding.translate import load_translator, translate_lines
+
+    model, sp, _ = load_translator(model_path, device)
+    scores = {}
+    with atomic_dir(out_dir) as tmp:
+        for role in ("valid", "test"):
+            refs_tok = tokenized_refs(score_cfg, data, role)  # missing: fail before decoding
+            table = pq.read_table(Path(cleaned) / f"{role}.parquet")
+            sources, refs = table["src"].to_pylist(), table["tgt"].to_pylist()
+            hyps = translate_lines(model, sp, sources, decode_cfg, device)
+            (tmp / hypotheses(role)).write_text("".join(h + "\n" for h in hyps), "utf-8")
+            scores[role] = score_split(hyps, refs, score_cfg, data.tgt_lang, refs_tok)
+        shown = [i for i, line in enumerate(sources) if line.strip()][:ATTENTION_SENTENCES]
+        for i in shown:  # the test split's first sentences: the same ones run after run
+            draw_sentence(model, sp, sources[i], hyps[i], tmp / "attention" / f"sentence-{i + 1}")
+        (tmp / SCORES).write_text(json.dumps(scores, indent=2))
+    return scores
+
+
+def read_lines(path: str | os.PathLike) -> list[str]:
+    """One sentence per line, split on "\\n" only (as sacreBLEU reads files); gzip allowed."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+            return [line.rstrip("\r\n") for line in f]
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m transformer.evaluate", description=__doc__)
+    parser.add_argument("hyp", help="detokenized translations, one per line")
+    parser.add_argument("ref", help="raw references, one per line")
+    parser.add_argument("--lowercase", action="store_true", help="case-insensitive scores")
+    args = parser.parse_args(argv)
+    try:
+        hyps, refs = read_lines(args.hyp), read_lines(args.ref)
+        if len(hyps) != len(refs):
+            raise ValueError(f"{args.hyp} has {len(hyps)} lines but {args.ref} has {len(refs)}")
+        scores = score(hyps, refs, args.lowercase)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(scores, indent=2))
+    return 0

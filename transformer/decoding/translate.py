@@ -1,0 +1,418 @@
+"""Translate raw sentences with an exported model file, or an ensemble of several.
+
+    python -m transformer.translate --model model.pt < newstest2014.en > hyp.de
+
+Beam size, length penalty and maximum lengths default to the `decode` section of the params
+the (first) model was trained with (the paper's 4, 0.6 and input length + 50). Sentences are
+sorted by length and batched by source tokens (and sentences, with --batch-size); the output
+keeps the input's order, one line per input line (--nbest K: K lines, `i ||| hypothesis |||
+score`); an empty input line gives an empty output line. Lines are translated as they come:
+a pipe that delivers one line at a time gets each translation back as soon as it is ready,
+bulk input is read in large chunks. Every user error (a file or option that is wrong) is one
+line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import select
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from transformer.cli import ArgumentParser
+from transformer.config import DecodeConfig, Params, params_from_dict
+from transformer.data.vocab import Lowercasing, VocabError, load_spm
+from transformer.decoding.search import Hypothesis, beam_search
+from transformer.model_file import CheckpointError, load_model_file
+from transformer.nn.model import Transformer
+from transformer.tokens import EOS, PAD
+
+Models = Transformer | list[Transformer]  # one model, or an ensemble
+
+
+def load_translator(model_path: str | os.PathLike, device: str | torch.device):
+    """(model in eval mode on `device`, sentencepiece processor, params) from a model file;
+    CheckpointError, in one line, if it is unreadable or its parts do not fit together."""
+    mf = load_model_file(model_path)
+    try:
+        params = params_from_dict(mf.params)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise CheckpointError(f"{model_path}: invalid params: {where}: {first['msg']}") from None
+    try:
+        sp = load_spm(mf.spm_model)
+    except VocabError as err:
+        raise CheckpointError(f"{model_path}: {err}") from None
+    model = Transformer(params.model, vocab_size=sp.get_piece_size(), pad_id=PAD)
+    mismatch = _mismatch(model.state_dict(), mf.model)
+    if mismatch:
+        raise CheckpointError(f"{model_path}: weights do not fit its params: {mismatch}")
+    model.load_state_dict(mf.model)
+    if params.clean.lowercase:
+        sp = Lowercasing(sp)
+    return model.to(device).eval(), sp, params
+
+
+def load_ensemble(model_paths: list[str], device: str | torch.device):
+    """(models, sentencepiece processor, the first model's params) from model files that
+    share one sentencepiece vocabulary (CheckpointError otherwise)."""
+    models, sps, params = [], [], None
+    for path in model_paths:
+        model, sp, model_params = load_translator(path, device)
+        if sps and sp.serialized_model_proto() != sps[0].serialized_model_proto():
+            raise CheckpointError(
+                f"{path}: its sentencepiece vocabulary differs from {model_paths[0]}'s; "
+                "the models of an ensemble must share one"
+            )
+        models.append(model)
+        sps.append(sp)
+        params = params or model_params  # the first model's
+    return models, sps[0], params
+
+
+def _mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> str:
+    """'' if `found` loads into a model with state `expected`, else what differs, briefly."""
+    problems = []
+    for label, keys in (
+        ("missing", expected.keys() - found.keys()),
+        ("unexpected", found.keys() - expected.keys()),
+    ):
+        if keys:
+            problems.append(f"{len(keys)} {label} keys ({', '.join(sorted(keys)[:3])}, ...)")
+    for key in sorted(expected.keys() & found.keys()):
+        if expected[key].shape != found[key].shape:
+            want, got = tuple(expected[key].shape), tuple(found[key].shape)
+            problems.append(f"{key} has shape {got}, the params make {want}")
+            break
+    return "; ".join(problems)
+
+
+def translate_lines(
+    model: Models,
+    sp,
+    lines: list[str],
+    decode_cfg: DecodeConfig,
+    device: str | torch.device,
+    progress: bool = False,
+) -> list[str]:
+    """Translate raw sentences with a model or an ensemble (a list of models); the output
+    is in the input's order, empty lines stay empty.
+
+    beam_size 1 is greedy search (no length penalty: one hypothesis has nothing to compare).
+    """
+    out, todo = [""] * len(lines), sum(1 for line in lines if line.strip())
+    with tqdm(total=todo, unit="sent", file=sys.stderr, disable=not progress) as bar:
+        for rows, hyps in translate_batches(model, sp, lines, decode_cfg, device):
+            for i, found in zip(rows, hyps, strict=True):
+                out[i] = sp.decode(found[0].tokens) if found else ""
+            bar.update(len(rows))
+    return out
+
+
+def translate_batches(
+    model: Models,
+    sp,
+    lines: list[str],
+    cfg: DecodeConfig,
+    device: str | torch.device,
+    n_best: int = 1,
+    max_sentences: int | None = None,
+) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
+    """Per batch, longest sentences first: the indices of its lines, and each line's best
+    `n_best` hypotheses. Empty (or blank) lines are left out: they translate to ''."""
+    models = model if isinstance(model, list) else [model]
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    sources = _source_ids(models, sp.encode([lines[i] for i in todo], add_eos=True))
+    for batch in batch_by_tokens(sources, cfg.max_tokens, max_sentences):
+        src = pad_batch([sources[j] for j in batch], device)
+        yield [todo[j] for j in batch], _search(models, src, cfg, n_best)
+
+
+def _positions(models: list[Transformer]) -> int | None:
+    """The most positions every model can embed: learned tables have max_positions rows."""
+    caps = [m.cfg.max_positions for m in models if m.cfg.positional == "learned"]
+    return min(caps, default=None)
+
+
+def _source_ids(models: list[Transformer], ids: list[list[int]]) -> list[list[int]]:
+    """A learned position table has max_positions rows: longer sources are cut (EOS kept)."""
+    cap = _positions(models)
+    if cap is None:
+        return ids
+    return [x if len(x) <= cap else [*x[: cap - 1], EOS] for x in ids]
+
+
+def batch_by_tokens(
+    sources: list[list[int]], max_tokens: int, max_sentences: int | None = None
+) -> Iterator[list[int]]:
+    """Indices into `sources`, longest first, in batches of at most max_tokens source
+    tokens, padding counted (a longer sentence than that goes alone), and of at most
+    max_sentences sentences."""
+    order = sorted(range(len(sources)), key=lambda j: -len(sources[j]))
+    batch: list[int] = []
+    for j in order:
+        width = len(sources[batch[0]]) if batch else len(sources[j])
+        full = max_sentences is not None and len(batch) == max_sentences
+        if batch and (full or (len(batch) + 1) * width > max_tokens):
+            yield batch
+            batch = []
+        batch.append(j)
+    if batch:
+        yield batch
+
+
+def pad_batch(rows: list[list[int]], device: str | torch.device) -> torch.Tensor:
+    """(B, S) PAD-padded source batch on `device`."""
+    src = torch.full((len(rows), max(map(len, rows))), PAD, dtype=torch.long)
+    for i, row in enumerate(rows):
+        src[i, : len(row)] = torch.tensor(row)
+    return src.to(device)
+
+
+def _search(models: list[Transformer], src: torch.Tensor, cfg: DecodeConfig, n_best: int):
+    # The target side has as many learned positions as the source side, BOS included.
+    cap = _positions(models)
+    # One beam without a length penalty is exactly greedy search (search.py's rules).
+    alpha = cfg.len_penalty if cfg.beam_size > 1 else 0.0
+    return beam_search(
+        models, src, cfg.beam_size, alpha, cfg.max_len_a, cfg.max_len_b, n_best,
+        max_len=None if cap is None else cap - 1, early_stop=cfg.early_stop,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- command line
+
+EXAMPLES = """\
+examples:
+  # a file, on the second GPU, beam 8
+  python -m transformer.translate --model model.pt --input test.en --output test.de \\
+      --device cuda:1 --beam 8
+  # an ensemble: the mean of the models' probabilities (they must share the vocabulary)
+  python -m transformer.translate --model run1/model.pt --model run2/model.pt < test.en
+  # the 4 best translations of each line, Moses/Marian style: i ||| hypothesis ||| score
+  python -m transformer.translate --model model.pt --nbest 4 < test.en > test.nbest
+  # interactive: each line is translated as soon as it arrives (greedy here)
+  python -m transformer.translate --model model.pt --beam 1
+"""
+
+# DecodeConfig's fields, as the options that set them
+OPTIONS = {
+    "beam_size": "--beam",
+    "len_penalty": "--lenpen",
+    "max_len_a": "--max-len-a",
+    "max_len_b": "--max-len-b",
+    "max_tokens": "--max-tokens",
+    "early_stop": "--early-stop",
+}
+
+
+class _UsageError(ValueError):
+    """An option or path that is wrong: one line, exit code 2."""
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = ArgumentParser(
+        prog="python -m transformer.translate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="exported model file (transformer.average); repeat it for an ensemble",
+    )
+    p.add_argument("--input", default="-", metavar="FILE", help="sentences (default: stdin)")
+    p.add_argument("--output", default="-", metavar="FILE", help="translations (default: stdout)")
+    p.add_argument("--beam", type=int, metavar="K", help="beam size; 1 is greedy search")
+    p.add_argument("--lenpen", type=float, metavar="ALPHA", help="length penalty (GNMT's)")
+    p.add_argument(
+        "--nbest",
+        type=int,
+        metavar="K",
+        help="write the K best translations of each line, `i ||| hypothesis ||| score` "
+        "(score: log p / length penalty); K <= beam size",
+    )
+    p.add_argument("--max-len-a", type=float, metavar="A", help="most output tokens: A * ...")
+    p.add_argument("--max-len-b", type=int, metavar="B", help="... source tokens + B")
+    p.add_argument("--max-tokens", type=int, metavar="N", help="source tokens per batch, at most")
+    p.add_argument("--batch-size", type=int, metavar="N", help="sentences per batch, at most")
+    p.add_argument(
+        "--early-stop",
+        choices=("exact", "beam"),
+        help="end a sentence once no hypothesis can still win (exact), or also once beam-size "
+        "hypotheses finished (beam: fairseq's, Marian's, CTranslate2's rule)",
+    )
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.epilog = "Unset options take the model's params (decode section).\n\n" + EXAMPLES
+    return p.parse_args(argv)
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    match = re.fullmatch(r"cpu|cuda(:(\d+))?", name)
+    if match is None:
+        raise _UsageError(f"--device {name}: expected cpu, cuda or cuda:N")
+    if name != "cpu" and not torch.cuda.is_available():
+        raise _UsageError(f"--device {name}: CUDA is not available")
+    if match.group(2) is not None and int(match.group(2)) >= torch.cuda.device_count():
+        raise _UsageError(f"--device {name}: there are {torch.cuda.device_count()} GPUs")
+    return torch.device(name)
+
+
+def _decode_config(params: Params, args: argparse.Namespace) -> DecodeConfig:
+    given = {
+        "beam_size": args.beam,
+        "len_penalty": args.lenpen,
+        "max_len_a": args.max_len_a,
+        "max_len_b": args.max_len_b,
+        "max_tokens": args.max_tokens,
+        "early_stop": args.early_stop,
+    }
+    update = {k: v for k, v in given.items() if v is not None}
+    try:
+        cfg = DecodeConfig.model_validate({**params.decode.model_dump(), **update})
+    except ValidationError as err:  # the params' own values were validated on loading
+        first = err.errors()[0]
+        raise _UsageError(f"{OPTIONS[first['loc'][0]]}: {first['msg']}") from None
+    if args.nbest is not None and not 1 <= args.nbest <= cfg.beam_size:
+        raise _UsageError(f"--nbest {args.nbest}: must lie in [1, beam size ({cfg.beam_size})]")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise _UsageError(f"--batch-size {args.batch_size}: must be at least 1")
+    return cfg
+
+
+def _open(args: argparse.Namespace, files: contextlib.ExitStack) -> tuple[BinaryIO, BinaryIO]:
+    """The input and output streams, opened before any decoding, so that a wrong path
+    costs nothing; `files` closes those it opens."""
+    paths = args.input != "-" and args.output != "-"
+    if paths and Path(args.output).exists() and Path(args.output).samefile(args.input):
+        raise _UsageError(f"--output {args.output}: is the --input file")
+    source = sys.stdin.buffer if args.input == "-" else _opened(files, args.input, "rb", "--input")
+    out = sys.stdout.buffer if args.output == "-" else _opened(files, args.output, "wb", "--output")
+    return source, out
+
+
+def _opened(files: contextlib.ExitStack, path: str, mode: str, option: str) -> BinaryIO:
+    # Output unbuffered: each batch is written whole anyway, and a buffer left to flush at
+    # close would raise a full disk's error after ours, naming no file.
+    buffering = 0 if mode == "wb" else -1
+    try:
+        return files.enter_context(open(path, mode, buffering=buffering))
+    except OSError as err:
+        raise _UsageError(f"{option} {path}: {err.strerror}") from None
+
+
+CHUNK_BYTES = 1 << 22  # the most input read at once (then sorted by length and batched)
+WAIT = 0.01  # seconds to wait for more input once some has come (a pipe refilling)
+
+
+def _chunks(stream: BinaryIO, name: str) -> Iterator[list[str]]:
+    """The input's lines, as many at a time as can be read without waiting for more (up to
+    CHUNK_BYTES): a line typed or piped alone comes alone, a file comes in large chunks.
+    Lines end at "\\n" only: other Unicode line breaks belong to the sentence."""
+    fd, tail, eof, number = stream.fileno(), b"", False, 0
+    while not eof:
+        data = [os.read(fd, 1 << 16)]  # waits for the first bytes
+        while data[-1] and sum(map(len, data)) < CHUNK_BYTES and _readable(fd):
+            data.append(os.read(fd, 1 << 16))
+        eof = not data[-1]
+        *lines, tail = (tail + b"".join(data)).split(b"\n")
+        if eof and tail:  # a last line without its "\n"
+            lines.append(tail)
+        if lines:
+            yield [_text(line, name, number + i) for i, line in enumerate(lines)]
+            number += len(lines)
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], WAIT)[0])
+
+
+def _text(line: bytes, name: str, index: int) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{name}: line {index + 1}: not UTF-8 text ({err})") from None
+
+
+def _format(index: int, hyps: list[Hypothesis], sp, nbest: bool) -> bytes:
+    """A line's output: its translation, or its n-best list (i ||| hypothesis ||| score);
+    an empty line has one hypothesis, empty, of score 0."""
+    if not nbest:
+        return ((sp.decode(hyps[0].tokens) if hyps else "") + "\n").encode("utf-8")
+    hyps = hyps or [Hypothesis(tokens=[], score=0.0, logprob=0.0)]
+    text = "".join(f"{index} ||| {sp.decode(h.tokens)} ||| {h.score:.6f}\n" for h in hyps)
+    return text.encode("utf-8")
+
+
+def _translate(models, sp, cfg, args, device, source: BinaryIO, out: BinaryIO) -> None:
+    """Translate chunk by chunk; after each batch, write (and flush) every line whose
+    earlier lines are all written."""
+    name = "stdin" if args.input == "-" else args.input
+    nbest, first = args.nbest is not None, 0  # first: the index of the chunk's first line
+    progress = args.input != "-" and sys.stderr.isatty()  # not for a pipe, nor into a log
+    with tqdm(unit="sent", file=sys.stderr, disable=not progress) as bar:
+        for lines in _chunks(source, name):
+            blocks: list[bytes | None] = [
+                None if line.strip() else _format(first + i, [], sp, nbest)
+                for i, line in enumerate(lines)
+            ]
+            written = _write_ready(out, blocks, 0, args.output)  # leading empty lines
+            k = args.nbest or 1
+            for rows, hyps in translate_batches(models, sp, lines, cfg, device, k, args.batch_size):
+                for i, found in zip(rows, hyps, strict=True):
+                    blocks[i] = _format(first + i, found, sp, nbest)
+                written = _write_ready(out, blocks, written, args.output)
+                bar.update(len(rows))
+            first += len(lines)
+
+
+def _write_ready(out: BinaryIO, blocks: list[bytes | None], written: int, name: str) -> int:
+    """Write blocks[written:] up to the first one not ready; return how many are written."""
+    ready = written
+    while ready < len(blocks) and blocks[ready] is not None:
+        ready += 1
+    data = memoryview(b"".join(blocks[written:ready]))
+    try:
+        while data:  # an unbuffered file may take a write in parts
+            data = data[out.write(data) :]
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as err:  # a full disk names no file by itself
+        raise _UsageError(f"--output {name}: {err.strerror or err}") from None
+    return ready
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse(argv)
+        device = _device(args.device)
+        with contextlib.ExitStack() as files:
+            source, out = _open(args, files)
+            models, sp, params = load_ensemble(args.model, device)
+            cfg = _decode_config(params, args)
+            _translate(models, sp, cfg, args, device, source, out)
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C ends an interactive session
+        return 130
+    except (CheckpointError, OSError, ValueError) as err:
+        # One line: torch's unpickling errors run to paragraphs; the first names the cause.
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0

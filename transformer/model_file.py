@@ -1,0 +1,115 @@
+"""The project's files of tensors: saved atomically with torch.save, loaded with
+torch.load(weights_only=True), so that no pickled code runs when a file from elsewhere is
+opened; each says what it is (`format`). The exported model (`ModelFile`), everything
+translate needs in one file, is defined here: decoding reads it without the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transformer.cli import UserError
+from transformer.files import atomic_write
+
+MODEL_FORMAT = "transformer-mt/model/1"
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint or model file is missing, truncated, corrupt or of another kind."""
+
+
+def atomic_save(obj: dict[str, Any], path: str | os.PathLike) -> Path:
+    """torch.save `obj` to `path` atomically (files.atomic_write); a failure, a full disk
+    included, is a CheckpointError that says how much room is left."""
+    path = Path(path)
+    try:
+        return atomic_write(path, lambda f: torch.save(obj, f))
+    except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
+        free = shutil.disk_usage(path.parent).free / 1e9
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path}: cannot write ({reason}; {free:.2f} GB free)") from None
+
+
+def load_file(
+    path: str | os.PathLike, map_location: str | torch.device = "cpu", mmap: bool = False
+) -> dict:
+    """torch.load with weights_only=True; any failure is a CheckpointError naming the file.
+
+    `mmap` maps the tensors instead of reading them: only what is used comes off the disk
+    (the model of a state that also holds the optimizer), and ranks share the pages.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as err:  # truncated zip, foreign format, a pickle that would run code
+        raise CheckpointError(f"{path}: unreadable ({_reason(err)})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a checkpoint (top level is {type(obj).__name__})")
+    return obj
+
+
+def _reason(err: Exception) -> str:
+    # torch's message for a pickle that needs code runs to paragraphs and ends by advising
+    # weights_only=False, which is exactly what must not be done with a file from elsewhere.
+    if "weights_only" in str(err) or isinstance(err, pickle.UnpicklingError):
+        return "it holds objects that only running code could rebuild: refused"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def load_typed(path: str | os.PathLike, kind: str, mmap: bool = False) -> dict:
+    """A file of format `kind` (STATE_FORMAT, SNAPSHOT_FORMAT, MODEL_FORMAT), loaded safely."""
+    obj = load_file(path, mmap=mmap)
+    if obj.get("format") != kind:
+        raise CheckpointError(f"{path}: a {obj.get('format')!r} file, not {kind!r}")
+    return obj
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """An exported model: everything `translate` needs, in one file."""
+
+    params: dict[str, Any]  # the resolved params tree of the run that trained it
+    model: dict[str, torch.Tensor]  # state_dict
+    spm_model: bytes  # the sentencepiece model, serialized
+    meta: dict[str, Any]  # step, averaged_from, data fingerprint, ...
+
+
+def save_model_file(path: str | os.PathLike, m: ModelFile) -> Path:
+    blob = torch.frombuffer(bytearray(m.spm_model), dtype=torch.uint8)
+    return atomic_save(
+        {
+            "format": MODEL_FORMAT,
+            "params": m.params,
+            "model": m.model,
+            "spm_model": blob,
+            "meta": m.meta,
+        },
+        path,
+    )
+
+
+def load_model_file(path: str | os.PathLike, map_location: str = "cpu") -> ModelFile:
+    obj = load_file(path, map_location)
+    if obj.get("format") != MODEL_FORMAT:
+        raise CheckpointError(
+            f"{path}: not an exported model (format {obj.get('format')!r}, "
+            f"expected {MODEL_FORMAT!r}); export one with `python -m transformer.average`"
+        )
+    try:
+        return ModelFile(
+            params=obj["params"],
+            model=obj["model"],
+            spm_model=obj["spm_model"].numpy().tobytes(),
+            meta=obj["meta"],
+        )
+    except (KeyError, AttributeError, TypeError) as err:
+        raise CheckpointError(f"{path}: an incomplete model file ({err})") from None

@@ -1,0 +1,3 @@
+"""The network: the model of the paper (model.py), the kernels its products, attention and
+dropout run on (kernels.py, attention.py), the decoding caches (kv_cache.py) and the loss
+fused with the output projection (loss.py). Imports the ground floor only."""
