@@ -107,6 +107,17 @@ def test_the_state_at_the_cooldowns_start_is_kept_for_further_cooldowns(tmp_path
     assert [ckpt.file_step(p) for p in ckpt.list_files(tmp_path, "state")] == [5, 6]
 
 
+def test_a_stops_state_off_the_cadence_lasts_until_the_next_one_on_it(tmp_path):
+    """A stop at step 12 (save_every 5) saves there; once the resumed run saves at 15 the
+    folder holds what an uninterrupted run's does, and 5 was not pruned for 12's sake."""
+    m = ckpt.CheckpointManager(tmp_path, 2, 0, False, save_every=5)
+    for step in (5, 10, 12):
+        m.save_state(step, {"step": step})
+    assert [ckpt.file_step(p) for p in ckpt.list_files(tmp_path, "state")] == [5, 10, 12]
+    m.save_state(15, {"step": 15})
+    assert [ckpt.file_step(p) for p in ckpt.list_files(tmp_path, "state")] == [10, 15]
+
+
 def test_resuming_removes_snapshots_written_after_the_state(tmp_path):
     m = _manager(tmp_path, keep_last=5)
     _snap(m, 10, 1.0)

@@ -28,6 +28,7 @@ from transformer.nn import kernels
 from transformer.nn import loss as loss_module
 from transformer.train import main
 from transformer.training import checkpoint as ckpt
+from transformer.training.average import main as average_main
 from transformer.training.compiled import compile_stats
 from transformer.training.distributed import DistEnv
 from transformer.training.optim import inverse_sqrt_schedule
@@ -709,6 +710,38 @@ def test_sigterm_finishes_the_update_saves_and_exits_143(
     done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert_same_training(straight, final_state(out))
+
+
+class StopAtStep10(ListLogger):
+    """SIGTERM to this process as step 10 logs: the stop lands at step 11, off the cadence."""
+
+    def log(self, metrics, step):
+        super().log(metrics, step)
+        if step == 10:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_stop_between_saves_leaves_no_trace_in_the_result(tiny_params, tiny_shards, tmp_path):
+    """The stop saves a training state, no model snapshot (one would enter the average in
+    place of a snapshot on the cadence), and the resumed run ends with the uninterrupted
+    run's files, average and logged training loss."""
+    runs = {"stopped": ListLogger(), "straight": ListLogger()}
+    stopped, straight = (tmp_path / name for name in runs)
+    assert train(tiny_params, tiny_shards, stopped, *KILL_PARAMS, logger=StopAtStep10()) == 143
+    assert final_state(stopped)["step"] == 11
+    assert names(stopped, "model")[-1] == "model-0000010.pt"
+    for name, logger in runs.items():
+        assert train(tiny_params, tiny_shards, tmp_path / name, *KILL_PARAMS, logger=logger) == 0
+    assert_same_training(final_state(straight), final_state(stopped))
+    for kind in ("model", "state"):
+        assert names(stopped, kind) == names(straight, kind)
+    for run in (stopped, straight):
+        assert average_main([str(run), "--last", "2", "--out", str(run / "avg.pt")]) == 0
+    a, b = (model_file.load_model_file(run / "avg.pt").model for run in (stopped, straight))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    loss = {name: {s: m["train/loss"] for s, m in r.records if "train/loss" in m}
+            for name, r in runs.items()}  # fmt: skip
+    assert loss["stopped"][20] == pytest.approx(loss["straight"][20], rel=1e-6)
 
 
 def test_a_rank_orphaned_by_a_killed_torchrun_saves_and_exits(tiny_params, tiny_shards, tmp_path):

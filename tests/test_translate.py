@@ -280,7 +280,7 @@ def test_user_errors_are_one_line_before_any_decoding(model_file, tmp_path, caps
     err = one_line_error(capsys, [*model, "--input", str(src), "--output", missing])
     assert "--output" in err and "missing/dir/out" in err
     assert "--input" in one_line_error(capsys, [*model, "--input", str(tmp_path / "none")])
-    assert "is the --input file" in one_line_error(
+    assert "holds the input" in one_line_error(
         capsys, [*model, "--input", str(src), "--output", str(src)]
     )
     assert src.read_text(encoding="utf-8") == "a house\n"

@@ -12,10 +12,12 @@ import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
+
+from transformer.cli import UserError
 
 SPM_MODEL = "spm.model"  # the joint sentencepiece model (vocab stage, shards, run folder)
 SPM_VOCAB = "spm.vocab"  # its piece list, for people
@@ -95,25 +97,63 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO], object]) -> Path:
-    """Write `data` (or what `data(file)` writes, torch.save say) beside `path`, fsync,
-    rename: a kill leaves the old file or the new, and a leftover that remove_leftovers
-    finds."""
+    """Write `data` (or what `data(file)` writes, torch.save say) to `path` atomically,
+    making its folder if need be."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as f:
+        if callable(data):
+            data(f)
+        else:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, buffering: int = -1) -> Iterator[BinaryIO]:
+    """A file to write, beside `path`: fsynced and renamed onto `path` when the block ends,
+    removed if it raises. A kill leaves the old file or the new (and a leftover that
+    remove_leftovers finds), never a truncated or half-written one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        with open(tmp, "wb", buffering=buffering) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+class OutputError(UserError, ValueError):
+    """An output that would replace what the command reads, or what it did not make."""
+
+
+def check_output(
+    out: str | os.PathLike,
+    inputs: Iterable[str | os.PathLike],
+    option: str = "--out",
+    marker: str | None = None,
+    force: bool = False,
+) -> None:
+    """Refuse `out` if it is one of `inputs` or a folder holding one; with `marker`, `out`
+    is a folder, and an existing one must be empty or hold that file (a result of this
+    command, replaced whole) unless `force`. Checked before any work, so nothing is lost."""
+    out = Path(out).resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if source == out or out in source.parents:
+            raise OutputError(f"{option} {out}: holds the input {given}: choose another path")
+    if marker is None or not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputError(f"{option} {out}: a file, not a folder")
+    if not force and any(out.iterdir()) and not (out / marker).exists():
+        raise OutputError(
+            f"{option} {out}: a non-empty folder this command did not make (no {marker}): "
+            "choose another, or pass --force to replace it"
+        )
 
 
 @contextmanager

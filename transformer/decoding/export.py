@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from transformer.cli import ArgumentParser
 from transformer.config import ExportConfig, ExportFormat, Quantization
 from transformer.decoding.translate import load_translator
-from transformer.files import SPM_MODEL, atomic_dir, file_sha256
+from transformer.files import SPM_MODEL, OutputError, atomic_dir, check_output, file_sha256
 from transformer.model_file import CheckpointError, load_file
 from transformer.nn.model import Transformer, sinusoidal
 from transformer.tokens import BOS, EOS, PAD, SPECIAL_IDS, UNK
@@ -442,12 +442,14 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("model", help="exported model file (transformer.average)")
     p.add_argument("--format", required=True, help=" or ".join(FORMATS))
-    p.add_argument("--out", required=True, help="output folder (replaced atomically)")
+    p.add_argument("--out", required=True, help="output folder (an earlier export's is replaced)")
     p.add_argument("--quantization", help=f"ctranslate2 only: {', '.join(QUANTIZATIONS)}")
+    p.add_argument("--force", action="store_true", help="replace a folder of something else")
     args = p.parse_args(argv)
     try:
+        check_output(args.out, [args.model], marker=EXPORT_REPORT, force=args.force)
         out = export_model(args.model, args.format, args.out, args.quantization)
-    except (CheckpointError, ExportError) as err:
+    except (CheckpointError, ExportError, OutputError) as err:
         # One line: torch's unpickling errors run to paragraphs; the first names the cause.
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -21,7 +21,6 @@ import re
 import select
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import BinaryIO
 
 import torch
@@ -32,6 +31,7 @@ from transformer.cli import ArgumentParser
 from transformer.config import DecodeConfig, Params, params_from_dict
 from transformer.data.vocab import Lowercasing, VocabError, load_spm
 from transformer.decoding.search import Hypothesis, beam_search
+from transformer.files import atomic_file, check_output
 from transformer.model_file import CheckpointError, load_model_file
 from transformer.nn.model import Transformer
 from transformer.tokens import EOS, PAD
@@ -296,21 +296,23 @@ def _decode_config(params: Params, args: argparse.Namespace) -> DecodeConfig:
 
 def _open(args: argparse.Namespace, files: contextlib.ExitStack) -> tuple[BinaryIO, BinaryIO]:
     """The input and output streams, opened before any decoding, so that a wrong path
-    costs nothing; `files` closes those it opens."""
-    paths = args.input != "-" and args.output != "-"
-    if paths and Path(args.output).exists() and Path(args.output).samefile(args.input):
-        raise _UsageError(f"--output {args.output}: is the --input file")
-    source = sys.stdin.buffer if args.input == "-" else _opened(files, args.input, "rb", "--input")
-    out = sys.stdout.buffer if args.output == "-" else _opened(files, args.output, "wb", "--output")
-    return source, out
+    costs nothing; `files` closes those it opens. A file output is written aside and
+    renamed into place at the end: a failure, or a second writer, leaves no mixed file."""
+    source = sys.stdin.buffer if args.input == "-" else _opened(files, args.input, "--input")
+    if args.output == "-":
+        return source, sys.stdout.buffer
+    read = [*args.model, *([args.input] if args.input != "-" else [])]
+    check_output(args.output, read, "--output")
+    try:  # unbuffered: each batch is written whole anyway, and a buffer flushed at close
+        # would raise a full disk's error after ours, naming no file
+        return source, files.enter_context(atomic_file(args.output, buffering=0))
+    except OSError as err:
+        raise _UsageError(f"--output {args.output}: {err.strerror}") from None
 
 
-def _opened(files: contextlib.ExitStack, path: str, mode: str, option: str) -> BinaryIO:
-    # Output unbuffered: each batch is written whole anyway, and a buffer left to flush at
-    # close would raise a full disk's error after ours, naming no file.
-    buffering = 0 if mode == "wb" else -1
+def _opened(files: contextlib.ExitStack, path: str, option: str) -> BinaryIO:
     try:
-        return files.enter_context(open(path, mode, buffering=buffering))
+        return files.enter_context(open(path, "rb"))
     except OSError as err:
         raise _UsageError(f"{option} {path}: {err.strerror}") from None
 

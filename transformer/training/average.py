@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from transformer.cli import ArgumentParser
+from transformer.cli import USER_ERRORS, ArgumentParser
 from transformer.config import AverageConfig
 from transformer.console import setup_logging
-from transformer.files import SPM_MODEL
+from transformer.files import SPM_MODEL, check_output
 from transformer.model_file import (
     CheckpointError,
     ModelFile,
@@ -80,6 +80,7 @@ def export_average(
 def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Path:
     """Average model snapshots `paths` into a model file (see checkpoint.ModelFile);
     params and data fingerprint are those of the newest (the first of that step)."""
+    check_output(out, [*paths, spm_model])
     infos = [load_typed(p, SNAPSHOT_FORMAT, mmap=True) for p in paths]  # the inputs first
     if not Path(spm_model).is_file():
         raise CheckpointError(f"{spm_model}: no sentencepiece model to export with the model")
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             spm_model = args.spm or args.inputs[0].resolve().parent.parent / SPM_MODEL
             export_checkpoints(args.inputs, spm_model, args.out)
-    except (CheckpointError, OSError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

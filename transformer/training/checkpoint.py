@@ -5,8 +5,11 @@ values, loaded with weights_only.
 A run folder holds, under `checkpoints/`:
 
     state-NNNNNNN.pt   everything resuming needs (model, optimizer, schedule, sampler, every
-                       rank's RNG, progress, early stopping): the newest KEEP_STATES, and
-                       the one at the lr cooldown's start, where more cooldowns branch off
+                       rank's RNG, progress, early stopping): the newest KEEP_STATES of the
+                       `save_every` cadence, the one at the lr cooldown's start, where more
+                       cooldowns branch off, and the newest if a stop wrote it off the
+                       cadence (until the next one on it: a stopped and resumed run ends
+                       with the files of an uninterrupted one)
     model-NNNNNNN.pt   model-only snapshots with their step and validation score, for
                        averaging: the last `keep_last` and the `keep_best` best
 
@@ -77,11 +80,13 @@ class CheckpointManager:
         keep_best: int,
         higher_is_better: bool,
         branch_point: int | None = None,
+        save_every: int = 1,
     ):
         self.run_dir = Path(run_dir)
         self.keep_last, self.keep_best = keep_last, keep_best
         self.higher_is_better = higher_is_better
         self.branch_point = branch_point  # the state of this step is kept too
+        self.save_every = save_every
         self.index: list[dict[str, Any]] = []  # kept snapshots, by step
 
     def state_dict(self) -> dict[str, Any]:
@@ -146,15 +151,22 @@ class CheckpointManager:
 
     def save_state(self, step: int, state: dict[str, Any]) -> Path:
         """Write the training state of `step` (with this manager's index) and keep the
-        newest KEEP_STATES, and the one at `branch_point` (the cooldown's start)."""
+        newest KEEP_STATES on the cadence, the one at `branch_point` (the cooldown's start)
+        and the newest of all (a stop's, off the cadence, until a newer one is written)."""
         path = atomic_save(
             {"format": STATE_FORMAT, **state, "checkpoints": self.state_dict()},
             self.path("state", step),
         )
-        for old in list_files(self.run_dir, "state")[:-KEEP_STATES]:
-            if file_step(old) != self.branch_point:
+        states = list_files(self.run_dir, "state")
+        on_cadence = [p for p in states if self.on_cadence(file_step(p))]
+        keep = {states[-1], *on_cadence[-KEEP_STATES:]}
+        for old in states:
+            if old not in keep and file_step(old) != self.branch_point:
                 old.unlink(missing_ok=True)
         return path
+
+    def on_cadence(self, step: int) -> bool:
+        return step % self.save_every == 0 or step == self.branch_point
 
     def load_latest(self) -> tuple[Path, dict] | None:
         """The newest readable training state, or None if there is none.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -140,6 +140,16 @@ class TrainMeter:
         self.seconds, self.clock = self.seconds + now - self.clock, now
         counts = (self.BAD, self.RUN, self.LONGEST, self.TOKENS)
         return tuple(int(values[i]) for i in counts)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open logging window (after a `read`): a run stopped inside it and resumed
+        logs at its end what an uninterrupted run logs."""
+        return {"window": list(self.window), "updates": self.updates, "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is not None:  # a state saved before the window was kept: a fresh one
+            self.window, self.updates = list(state["window"]), state["updates"]
+            self.seconds = state["seconds"]
 
     def pause(self) -> None:
         """Validation or a checkpoint: their time is not training's."""

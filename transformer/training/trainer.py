@@ -129,7 +129,7 @@ class Trainer:
         self.stopping = EarlyStopping(cfg.best_metric, cfg.patience)
         self.checkpoints = CheckpointManager(
             run_dir, cfg.keep_last, cfg.keep_best, self.stopping.higher_is_better,
-            branch_point=cooldown_start(cfg.max_steps, cfg.cooldown),
+            branch_point=cooldown_start(cfg.max_steps, cfg.cooldown), save_every=cfg.save_every,
         )  # fmt: skip
         self.parts = {
             "model": self.model,
@@ -201,6 +201,7 @@ class Trainer:
         resync_lr(self.optimizer, self.scheduler)
         self.weights.refresh()
         self.meter = TrainMeter(self.env.device, self.progress.bad_steps)
+        self.meter.load_state_dict(None if branch else state.get("meter"))
         if branch:  # the folder's own first state: a rerun resumes it, not the source
             self.save_state()
         self.saved_step = self.progress.step
@@ -374,10 +375,13 @@ class Trainer:
         return None
 
     def save_and_stop(self, stop: StopSignal) -> int:
+        """The training state only: a model snapshot off the `save_every` cadence would
+        enter the averages, which a resumed run must end with as if never stopped."""
         if self.count_bad_steps():
             return EXIT_BAD_STEPS
         if self.saved_step != self.progress.step:
-            self.save(None, full=True)
+            self.save_state()
+            barrier()
         signum = stop.signum or signal.SIGTERM  # another rank may have been the one signalled
         name = signal.Signals(signum).name
         log.warning("stopped by %s at step %d, checkpoint saved", name, self.progress.step)
@@ -404,6 +408,7 @@ class Trainer:
     def save_state(self) -> None:
         """The training state (a collective: every rank's RNG is gathered)."""
         state = {name: part.state_dict() for name, part in self.parts.items()}
+        state["meter"] = self.meter.state_dict()  # read by count_bad_steps before any save
         if self.env.is_main:
             self.checkpoints.save_state(self.progress.step, {**self.describe_state(), **state})
         self.saved_step = self.progress.step
