@@ -22,6 +22,8 @@ from collections.abc import Iterator
 
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from tasks.tracking import redact
+
 START_TIMEOUT_S = 180  # a busy 2-core machine takes ~15 s
 
 
@@ -50,6 +52,23 @@ def local_api() -> Iterator[str]:
     # process exits, and the server stops when it is gone (PR_SET_PDEATHSIG).
     with temporary_settings(updates={PREFECT_API_URL: url}):
         yield url
+
+
+def check_api(url: str) -> None:
+    """That the Prefect API at `url` (PREFECT_API_URL) answers: else the flow would retry it
+    for minutes and end in a traceback. LocalApiError names the URL, credentials redacted."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10) as r:
+            if r.status == 200:
+                return
+    except (OSError, ValueError) as err:
+        reason = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
+    else:
+        reason = f"HTTP {r.status}"
+    raise LocalApiError(
+        f"PREFECT_API_URL {redact(url)}: no Prefect API answers ({reason}): start the server "
+        "(prefect server start), or unset PREFECT_API_URL for a temporary one"
+    )
 
 
 def _wait_healthy(server: subprocess.Popen, url: str) -> None:

@@ -32,12 +32,23 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.states import Failed
 
-from flows.local_api import LocalApiError, local_api
+from flows.local_api import LocalApiError, check_api, local_api
 from tasks.publish import publish, summary_lines
-from tasks.runner import USER_ERROR, run_stage, user_failure
+from tasks.runner import ONE_LINE, SERVER_LOST, run_stage, user_failure
 from tasks.settings import RunParams, experiment_name, load_run_params, tracking_uri
 from tasks.stages import STAGES
-from tasks.tracking import client_for, experiment_id, finish_run, mark_failed, open_parent_run
+from tasks.tracking import (
+    check_store,
+    client_for,
+    credentials_to_env,
+    experiment_id,
+    finish_run,
+    mark_failed,
+    open_parent_run,
+    redact,
+    redact_logs,
+    store_errors,
+)
 from transformer.cli import ArgumentParser
 from transformer.config import ParamsError, params_hash, to_yaml
 from transformer.files import PARAMS, atomic_write, locked
@@ -51,10 +62,13 @@ def open_run(params: RunParams, key: str, stem: str, work_dir: str):
     `key`; `stem`: the params file's name, which names the run and its registered model."""
     try:
         work = Path(work_dir)
-        params_file = atomic_write(work / "runs" / key / PARAMS, to_yaml(params))
         uri = tracking_uri(params, work)
+        model = params.pipeline.registered_model or f"{experiment_name(params)}-{stem}"
+        check_store(uri, model)
+        # The copy of the params that the run logs: a credential in a URI is no record.
+        params_file = atomic_write(work / "runs" / key / PARAMS, redact(to_yaml(params)))
         store = work / ".mlflow.lock"
-        with locked(store, waiting(store)):  # two new flows must not both create the store
+        with locked(store, waiting(store)), store_errors(uri):  # one flow creates the store
             client = client_for(uri)
             exp = experiment_id(client, experiment_name(params), uri, work)
             run_id = open_parent_run(client, exp, params, key, params_file, f"{stem}-{key[:8]}")
@@ -66,7 +80,7 @@ def open_run(params: RunParams, key: str, stem: str, work_dir: str):
         "uri": uri,
         "run_id": run_id,
         "experiment_id": exp,
-        "registered_model": params.pipeline.registered_model or f"{experiment_name(params)}-{stem}",
+        "registered_model": model,
     }
 
 
@@ -79,6 +93,7 @@ def wmt14_ende(
 ):
     """The whole pipeline for one params file. `refresh` recomputes every stage (scheduled
     retraining); otherwise finished stages are reused, and a killed training resumes."""
+    redact_logs()
     try:
         # Read and validated here, once: every task gets the tree, none reads the file.
         resolved = load_run_params(params, list(overrides or []))
@@ -94,8 +109,8 @@ def wmt14_ende(
 
 def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool):
     opened = open_run(params, key, stem, str(work), return_state=True)
-    if opened.name == USER_ERROR:  # a state of its own: a task's would count as "1 failed"
-        return Failed(name=USER_ERROR, message=opened.message)
+    if opened.name in ONE_LINE:  # a state of its own: a task's would count as "1 failed"
+        return Failed(name=opened.name, message=opened.message)
     run = opened.result()
     records: dict[str, dict] = {}
     try:
@@ -106,16 +121,26 @@ def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool
             state = run_stage.with_options(name=stage.name)(
                 stage.name, params, run, upstream, refresh, return_state=True
             )
-            if state.name == USER_ERROR:
+            if state.name in ONE_LINE:
                 mark_failed(run)
-                return Failed(name=USER_ERROR, message=state.message)
+                return Failed(name=state.name, message=state.message)
             records[stage.name] = state.result()
-        summary = publish(run, records)
+        published = publish(run, records, return_state=True)
+        if published.name in ONE_LINE:
+            mark_failed(run)
+            return Failed(name=published.name, message=published.message)
+        summary = published.result()
     except BaseException:
         mark_failed(run)
         raise
-    finish_run(client_for(run["uri"]), run["run_id"])
+    with store_errors(run["uri"]):
+        finish_run(client_for(run["uri"]), run["run_id"])
     return summary
+
+
+def _without_credentials(override: str) -> str:
+    key, _, value = override.partition("=")
+    return f"{key}={credentials_to_env(value)}" if key == "pipeline.tracking_uri" else override
 
 
 def waiting(lock: Path) -> Callable[[], None]:
@@ -136,13 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     # file again (a deployment starts it with the file's path, not with a tree).
     try:
         load_run_params(args.params, args.overrides)
-    except ParamsError as err:
-        print(f"error: {err}".replace("\n", "; "), file=sys.stderr)
+        server = os.environ.get("PREFECT_API_URL")
+        if server:
+            check_api(server)
+    except (ParamsError, LocalApiError) as err:
+        print(f"error: {redact(str(err))}".replace("\n", "; "), file=sys.stderr)
         return 2
-    api = local_api() if not os.environ.get("PREFECT_API_URL") else contextlib.nullcontext()
+    # A credential given in an override goes to the environment, not into the flow's
+    # parameters (which Prefect stores and shows).
+    overrides = [_without_credentials(o) for o in args.overrides]
     try:
-        with api:
-            state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,
+        with local_api() if not server else contextlib.nullcontext():
+            state = wmt14_ende(args.params, overrides, args.work_dir, args.refresh,
                                return_state=True)  # fmt: skip
     except LocalApiError as err:  # the environment, not the params: exit 1, one line
         print(f"error: Prefect's local API did not start: {err} (or set PREFECT_API_URL to "
@@ -153,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: stopped by {signum.name}; training saved what it had: rerun the same "
               "command to resume", file=sys.stderr)  # fmt: skip
         return 128 + signum
-    if state.name == USER_ERROR:
+    if state.name in ONE_LINE:
         print(f"error: {state.message}", file=sys.stderr)
-        return 2
+        return 1 if state.name == SERVER_LOST else 2
     print("\n" + "\n".join(summary_lines(state.result())))  # a bug raises here, traced
     return 0
 

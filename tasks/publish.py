@@ -11,7 +11,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.registry import register
 from tasks.report import plot_training_curve
-from tasks.tracking import client_for, log_metrics, numbers
+from tasks.runner import user_failure
+from tasks.tracking import client_for, log_metrics, numbers, redact, store_errors
 from transformer.files import MANIFEST, MODEL, SPM_MODEL, hypotheses
 
 # Final scores of the averaged model with beam search: the valid split as dev/*, the test
@@ -20,7 +21,16 @@ ROLES = {"valid": "dev", "test": "test"}
 
 
 @task(name="publish", persist_result=False)
-def publish(run: dict, records: dict[str, dict]) -> dict:
+def publish(run: dict, records: dict[str, dict]):
+    """The summary, or a Failed state with one line if the store fails (runner.ONE_LINE)."""
+    try:
+        with store_errors(run["uri"]):
+            return _publish(run, records)
+    except Exception as err:
+        return user_failure("publish", err)
+
+
+def _publish(run: dict, records: dict[str, dict]) -> dict:
     client, run_id = client_for(run["uri"]), run["run_id"]
     scores = records["decode"]["report"]
     step = records["train"]["report"]["step"]
@@ -45,7 +55,7 @@ def publish(run: dict, records: dict[str, dict]) -> dict:
         )
     summary = {
         "run_id": run_id,
-        "tracking_uri": run["uri"],
+        "tracking_uri": redact(run["uri"]),
         "run_url": run_url(run["uri"], run.get("experiment_id"), run_id),
         "model": tags["model_path"],
         "registered": f"models:/{run['registered_model']}/{version}",

@@ -26,13 +26,16 @@ from prefect.states import Completed, Failed, State
 
 from tasks.settings import RunParams
 from tasks.stages import BY_NAME, Stage, StageRun, stage_key
-from tasks.tracking import client_for, log_metrics, numbers, stage_run
+from tasks.tracking import TrackingLost, log_metrics, numbers, redact, stage_run, store_errors
 from transformer.cli import USER_ERRORS, UserError
 from transformer.config import fingerprint
 from transformer.files import STAGE_RECORD, atomic_write, locked, remove_leftovers
 
 RECORD_FORMAT = "transformer-mt/stage/1"
-USER_ERROR = "UserError"  # the name of a Failed state whose message is the whole story
+# The names of Failed states whose message is the whole story: the user's to fix (exit 2),
+# or a tracking server that stopped answering (exit 1).
+USER_ERROR, SERVER_LOST = "UserError", "TrackingServerLost"
+ONE_LINE = (USER_ERROR, SERVER_LOST)
 
 
 class _NoEmptyTraceback(logging.Filter):
@@ -92,17 +95,17 @@ def user_failure(where: str, err: Exception) -> State:
     and keeps its traceback."""
     if not is_user_error(err):
         raise err
-    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    message = redact(str(err).splitlines()[0]) if str(err) else type(err).__name__
     get_run_logger().error("%s failed: %s", where, message)
-    return Failed(name=USER_ERROR, message=f"{where}: {message}")
+    name = SERVER_LOST if isinstance(err, TrackingLost) else USER_ERROR
+    return Failed(name=name, message=f"{where}: {message}")
 
 
 def execute(
     stage: Stage, params: RunParams, run: dict, upstream: dict, key: str, out: Path
 ) -> dict:
     """Run the stage's function in a child MLflow run; record and return what it made."""
-    client = client_for(run["uri"])
-    with stage_run(client, run["run_id"], stage.name) as child:
+    with stage_run(run["uri"], run["run_id"], stage.name) as (client, child):
         r = StageRun(
             params=params,
             inputs={n: Path(record["path"]) for n, record in upstream.items()},
@@ -114,14 +117,15 @@ def execute(
         start = time.monotonic()
         report = _jsonable(stage.run(r))
         record = write_record(stage, key, upstream, report, out)
-        log_metrics(client, child, {"stage_seconds": time.monotonic() - start})
-        log_metrics(client, child, numbers(report))
-        for name in stage.artifacts:  # files or folders; those a stage did not write: none
-            path = out / name
-            if path.is_dir():
-                client.log_artifacts(child, str(path), name)
-            elif path.is_file():
-                client.log_artifact(child, str(path))
+        with store_errors(run["uri"]):
+            log_metrics(client, child, {"stage_seconds": time.monotonic() - start})
+            log_metrics(client, child, numbers(report))
+            for name in stage.artifacts:  # files or folders; those a stage did not write: none
+                path = out / name
+                if path.is_dir():
+                    client.log_artifacts(child, str(path), name)
+                elif path.is_file():
+                    client.log_artifact(child, str(path))
     return record
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from tasks.tracking import TrackingError, credentials_to_env
 from transformer.config import Params, Section, load_params, operational
 
 
@@ -37,11 +38,15 @@ def load_run_params(path: str | os.PathLike, overrides: list[str] | tuple = ()) 
 
 
 def tracking_uri(params: RunParams, work_dir: Path) -> str:
-    return (
-        os.environ.get("MLFLOW_TRACKING_URI")
-        or params.pipeline.tracking_uri
-        or f"sqlite:///{work_dir.resolve() / 'mlflow.db'}"
-    )
+    """The MLflow store's URI, a server's credentials moved to the environment."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.pipeline.tracking_uri
+    if uri:
+        return credentials_to_env(uri)
+    db = work_dir.resolve() / "mlflow.db"
+    if "?" in str(db) or not str(db).isprintable():  # a URL's query starts at "?"
+        raise TrackingError(f"work dir {work_dir}: a '?' or a control character in its path "
+                            "cannot be in an MLflow store's URL: choose another")  # fmt: skip
+    return f"sqlite:///{db}"
 
 
 def experiment_name(params: RunParams) -> str:

@@ -7,31 +7,139 @@ to the same runs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import os
+import re
+import sqlite3
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
+import requests
 from mlflow.entities import Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 from mlflow.tracking import MlflowClient
+from mlflow.utils.validation import _validate_model_name
+from sqlalchemy.exc import SQLAlchemyError
 
+from transformer.cli import UserError
 from transformer.config import Params, flatten, to_dict
 
 PACKAGES = ("torch", "prefect", "mlflow", "sentencepiece", "sacrebleu", "datasets", "pyarrow")
 PARAMS_HASH_TAG = "params_hash"
 STAGE_TAG = "stage"
+# The stores MLflow's client opens: a typo'd scheme would otherwise be a traceback deep in
+# MLflow's store registry, after Prefect has started.
+SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "file")
+
+
+class TrackingError(UserError, RuntimeError):
+    """The MLflow store cannot be used as configured (URI, lock, permissions, disk, name)."""
+
+
+class TrackingLost(TrackingError):
+    """A tracking server that answered at the start stopped answering (exit code 1)."""
+
+
+# --------------------------------------------------------------------------- credentials
+
+_USERINFO = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/\s@]+@", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with the user info of every URL in it (user:token@) as ***@."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+class Redacting(logging.Filter):
+    """Log records with their URLs' credentials redacted: MLflow, requests and Prefect
+    write the URIs they were given into their messages."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if _USERINFO.search(message):
+            record.msg, record.args = redact(message), None
+        return True
+
+
+def redact_logs() -> None:
+    """Every log handler of this process (Prefect's console and API ones included) drops
+    URL credentials from what it writes."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = {h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers}
+    for handler in handlers:
+        if not any(isinstance(f, Redacting) for f in handler.filters):
+            handler.addFilter(Redacting())
+
+
+def credentials_to_env(uri: str) -> str:
+    """A tracking server's URI without its user info, which goes to the environment MLflow
+    reads it from (MLFLOW_TRACKING_USERNAME/PASSWORD, or MLFLOW_TRACKING_TOKEN for a
+    token alone), inherited by the ranks: no URI the pipeline keeps, logs or passes on
+    holds a credential. Database URIs keep theirs (their drivers need them) and are only
+    ever shown redacted."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    if password:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    else:
+        os.environ["MLFLOW_TRACKING_TOKEN"] = unquote(user)
+    return urlunsplit(parts._replace(netloc=host))
+
+
+# --------------------------------------------------------------------------- the store
+
+
+@contextlib.contextmanager
+def store_errors(uri: str) -> Iterator[None]:
+    """MLflow's, SQLite's and HTTP errors as one line naming the store (redacted)."""
+    try:
+        yield
+    except (MlflowException, SQLAlchemyError, sqlite3.Error, requests.RequestException) as err:
+        lost = isinstance(err, requests.ConnectionError | requests.Timeout)
+        text = str(getattr(err, "message", None) or err).strip().splitlines() or [repr(err)]
+        message = f"MLflow store {redact(uri)}: {redact(text[0])[:300]}"
+        raise (TrackingLost if lost else TrackingError)(message) from None
+
+
+def check_store(uri: str, registered_model: str) -> None:
+    """What can be checked before any stage runs: the URI's scheme, that a tracking server
+    answers, the registered model's name (MLflow's own rules)."""
+    scheme = urlsplit(uri).scheme
+    if scheme not in SCHEMES:
+        raise TrackingError(
+            f"pipeline.tracking_uri {redact(uri)}: scheme {scheme!r} is none of MLflow's "
+            f"({', '.join(SCHEMES)})"
+        )
+    if scheme in ("http", "https"):
+        try:
+            requests.get(f"{uri.rstrip('/')}/health", timeout=10).raise_for_status()
+        except requests.RequestException as err:
+            raise TrackingError(
+                f"pipeline.tracking_uri {redact(uri)}: no MLflow server answers "
+                f"({type(err).__name__}): start it, or fix the URI"
+            ) from None
+    try:
+        _validate_model_name(registered_model)
+    except MlflowException as err:
+        raise TrackingError(f"pipeline.registered_model: {err.message}") from None
 
 
 def client_for(uri: str) -> MlflowClient:
-    if uri.startswith("sqlite:///"):
-        create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
-    return MlflowClient(tracking_uri=uri)
+    with store_errors(uri):
+        if uri.startswith("sqlite:///"):
+            create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
+        return MlflowClient(tracking_uri=uri)
 
 
 def create_sqlite_store(db: Path) -> None:
@@ -53,14 +161,57 @@ def create_sqlite_store(db: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+ARTIFACTS = "mlartifacts"
+# Where MLflow's schema keeps artifact locations, each an absolute URI.
+_LOCATIONS = (
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("logged_models", "artifact_location"),
+    ("model_versions", "source"),
+    ("model_versions", "storage_location"),
+)
+
+
+def relocate_artifacts(db: Path, work_dir: Path) -> list[str]:
+    """A work dir's SQLite store keeps absolute artifact locations: in a copy (`cp -a`) or
+    a moved work dir they name the original's `mlartifacts`, and a rerun would write there.
+    Rewritten to this work dir's, in one transaction; returns the old roots. The caller
+    holds the store's lock."""
+    new = (work_dir.resolve() / ARTIFACTS).as_uri()
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        with con:
+            rows = con.execute("SELECT artifact_location FROM experiments").fetchall()
+            marker = f"/{ARTIFACTS}"
+            old_roots = {
+                loc[: loc.index(marker) + len(marker)]
+                for (loc,) in rows
+                if loc and marker in loc and not loc.startswith(new)
+            }
+            for old in old_roots:
+                for table, column in _LOCATIONS:
+                    con.execute(
+                        f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
+                        f"WHERE substr({column}, 1, ?) = ?",
+                        (new, len(old) + 1, len(old), old),
+                    )
+    finally:
+        con.close()
+    return sorted(old_roots)
+
+
 def experiment_id(client: MlflowClient, name: str, uri: str, work_dir: Path) -> str:
+    own = work_dir.resolve() / "mlflow.db"
+    if uri == f"sqlite:///{own}":  # the work dir's own store: the work dir is the unit
+        for old in relocate_artifacts(own, work_dir):
+            logging.getLogger(__name__).info("MLflow artifacts: %s is now %s", old, work_dir)
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     # With a local SQLite store, artifacts sit beside it in the work dir; a tracking server
     # decides for itself where artifacts go (somewhere all its readers can reach).
     local = uri.startswith("sqlite:")
-    artifacts = (work_dir.resolve() / "mlartifacts").as_uri() if local else None
+    artifacts = (work_dir.resolve() / ARTIFACTS).as_uri() if local else None
     return client.create_experiment(name, artifact_location=artifacts)
 
 
@@ -119,23 +270,27 @@ def mark_failed(tracking: dict) -> None:
         logging.getLogger(__name__).warning("could not mark the MLflow run failed: %s", err)
 
 
-@contextmanager
-def stage_run(client: MlflowClient, parent_id: str, stage: str) -> Iterator[str]:
+@contextlib.contextmanager
+def stage_run(uri: str, parent_id: str, stage: str) -> Iterator[tuple[MlflowClient, str]]:
     """A nested child run for one executed stage: FAILED if the stage raises, KILLED if it
-    is interrupted."""
-    parent = client.get_run(parent_id)
-    run = client.create_run(
-        parent.info.experiment_id,
-        run_name=stage,
-        tags={"mlflow.parentRunId": parent_id, STAGE_TAG: stage},
-    )
+    is interrupted. The store's errors in the body are the body's to map (store_errors)."""
+    client = client_for(uri)
+    with store_errors(uri):
+        parent = client.get_run(parent_id)
+        run = client.create_run(
+            parent.info.experiment_id,
+            run_name=stage,
+            tags={"mlflow.parentRunId": parent_id, STAGE_TAG: stage},
+        )
     try:
-        yield run.info.run_id
+        yield client, run.info.run_id
     except BaseException as err:
         status = RunStatus.FAILED if isinstance(err, Exception) else RunStatus.KILLED
-        client.set_terminated(run.info.run_id, RunStatus.to_string(status))
+        with contextlib.suppress(Exception):  # the stage's error is the one to report
+            client.set_terminated(run.info.run_id, RunStatus.to_string(status))
         raise
-    finish_run(client, run.info.run_id)
+    with store_errors(uri):
+        finish_run(client, run.info.run_id)
 
 
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int = 0):

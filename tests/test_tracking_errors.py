@@ -1,0 +1,176 @@
+"""The MLflow store and the Prefect API as a user can break them, through the real flow
+command: each failure is one line naming the store or URL, exit 2, checked before any stage
+runs; a credential given in a URI appears nowhere (output, work dir, MLflow, Prefect).
+
+A real Prefect server and a real MLflow server, started once for the module, so that each
+case costs one flow process and not a temporary API's start."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks.tracking import redact
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "params" / "smoke.yaml")
+SECRET = "s3cr3t-t0ken"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _serve(cmd: list[str], env: dict, health: str, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not _answers(health):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """A Prefect API and an MLflow tracking server on 127.0.0.1, each with its own store."""
+    root = tmp_path_factory.mktemp("servers")
+    bin_ = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env |= {"PREFECT_HOME": str(root / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    prefect_port, mlflow_port = _free_port(), _free_port()
+    api = f"http://127.0.0.1:{prefect_port}/api"
+    prefect = _serve([str(bin_ / "prefect"), "server", "start", "--host", "127.0.0.1",
+                      "--port", str(prefect_port), "--no-ui"],
+                     env, f"{api}/health", root / "prefect.log")  # fmt: skip
+    tracking = f"http://127.0.0.1:{mlflow_port}"
+    mlflow = _serve([str(bin_ / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                     str(mlflow_port), "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                     "--artifacts-destination", str(root / "mlartifacts"), "--workers", "1"],
+                    env, f"{tracking}/health", root / "mlflow.log")  # fmt: skip
+    yield {"env": {**env, "PREFECT_API_URL": api}, "root": root, "tracking": tracking}
+    for proc in (prefect, mlflow):
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+
+
+def run_flow(servers: dict, work: Path, *overrides: str, **env: str):
+    cmd = [sys.executable, "-m", "flows.wmt14_ende", SMOKE, *overrides, "--work-dir", str(work)]
+    done = subprocess.run(cmd, cwd=ROOT, env={**servers["env"], **env}, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def one_error(code: int, out: str, expected_code: int = 2) -> str:
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert code == expected_code and len(errors) == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    return errors[0]
+
+
+DEAD = "http://user:" + SECRET + "@127.0.0.1:9"  # port 9 (discard): nothing listens
+
+# (id, overrides, environment, what the error line must hold). A tracking server's
+# credentials leave its URI for the environment (MLFLOW_TRACKING_USERNAME/PASSWORD) at once.
+CASES = [
+    ("a scheme MLflow has not", ["pipeline.tracking_uri=ftp://host/runs"], {},
+     "pipeline.tracking_uri ftp://host/runs: scheme 'ftp'"),
+    ("no tracking server", [f"pipeline.tracking_uri={DEAD}"], {},
+     "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers"),
+    ("no tracking server, from the environment", [], {"MLFLOW_TRACKING_URI": DEAD},
+     "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers"),
+    ("a registered model name with a slash", ["pipeline.registered_model=team/model"], {},
+     "pipeline.registered_model: Invalid model name 'team/model'"),
+    ("no Prefect API", [], {"PREFECT_API_URL": DEAD + "/api"},
+     "PREFECT_API_URL http://***@127.0.0.1:9/api: no Prefect API answers"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "overrides", "env", "culprit"), CASES, ids=[c[0] for c in CASES])
+def test_a_store_or_api_misconfigured_is_one_line_before_any_stage(
+    servers, tmp_path, name, overrides, env, culprit
+):
+    work = tmp_path / "work"
+    code, out = run_flow(servers, work, *overrides, **env)
+    assert culprit in one_error(code, out), out[-3000:]
+    assert SECRET not in out
+    assert not [p for p in work.glob("*") if p.name in ("prepare", "clean", "mlflow.db")]
+
+
+def test_a_locked_store_and_a_store_that_is_no_database_are_one_line(servers, tmp_path):
+    """`sqlite3 work/mlflow.db 'BEGIN EXCLUSIVE'` held open by another process, then a file
+    in the store's place that SQLite cannot read."""
+    work = tmp_path / "work"
+    work.mkdir()
+    db = work / "mlflow.db"
+    from tasks.tracking import create_sqlite_store
+
+    create_sqlite_store(db)
+    holder = sqlite3.connect(db)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        code, out = run_flow(servers, work)
+    finally:
+        holder.rollback()
+        holder.close()
+    line = one_error(code, out)
+    assert f"MLflow store sqlite:///{db}" in line and "locked" in line, line
+    db.write_bytes(b"not a database, " * 100)
+    code, out = run_flow(servers, work)
+    assert f"MLflow store sqlite:///{db}" in one_error(code, out)
+    assert db.read_bytes() == b"not a database, " * 100  # nothing written over it
+
+
+def test_a_credential_in_the_tracking_uri_appears_nowhere(servers, tmp_path):
+    """The run opens on a real tracking server with `user:token@` in its URI (the server
+    takes any), logs its params and params file, then its first stage fails (a data source
+    that is a file): the token is in no output, no file of the work dir, nothing the
+    MLflow server stored and nothing the Prefect server stored."""
+    work = tmp_path / "work"
+    source = tmp_path / "not_a_folder"
+    source.write_text("x")
+    with_token = servers["tracking"].replace("http://", f"http://user:{SECRET}@")
+    code, out = run_flow(servers, work, f"pipeline.tracking_uri={with_token}",
+                         f"data.source.path={source}")  # fmt: skip
+    assert "not_a_folder" in one_error(code, out)
+    assert SECRET not in out
+    runs = MlflowClient(servers["tracking"]).search_runs(
+        [MlflowClient(servers["tracking"]).get_experiment_by_name("wmt14-ende").experiment_id]
+    )
+    assert runs, "the run was not opened on the server"
+    assert all(
+        "tracking_uri" not in k or SECRET not in v for r in runs for k, v in r.data.params.items()
+    )
+    stores = [work, servers["root"]]
+    leaks = [p for base in stores for p in base.rglob("*")
+             if p.is_file() and SECRET.encode() in p.read_bytes()]  # fmt: skip
+    assert not leaks, leaks
+
+
+def test_redact_hides_user_info_of_every_url_and_nothing_else():
+    text = "a http://u:p@h:1/x and https://tok@h/y, sqlite:////w/mlflow.db, me@example.org"
+    assert redact(text) == (
+        "a http://***@h:1/x and https://***@h/y, sqlite:////w/mlflow.db, me@example.org"
+    )
