@@ -210,6 +210,82 @@ def test_a_tampered_work_dir_runs_no_code_and_names_the_file(fresh_flow, victim,
     assert len(error) == 1 and str(path) in error[0], out[-3000:]
 
 
+def test_a_copied_work_dir_writes_only_into_the_copy(fresh_flow, tmp_path):
+    """`cp -a` of a finished work dir into a path with a space and a non-ASCII letter, and a
+    rerun that decodes again (a stage run, its artifacts logged): the original is unchanged
+    to the byte, and every artifact location in the copy's store is in the copy."""
+    before = _digest(fresh_flow)
+    work = tmp_path / "copy of wörk"
+    subprocess.run(["cp", "-a", str(fresh_flow), str(work)], check=True)
+    _forget(work, "decode")
+    code, out = finish(flow(work))
+    assert code == 0, out[-3000:]
+    assert _digest(fresh_flow) == before, "the rerun of the copy wrote into the original"
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("wmt14-ende")
+    mine = (work / "mlartifacts").as_uri()
+    assert exp.artifact_location.startswith(mine)
+    runs = client.search_runs([exp.experiment_id])
+    assert runs and all(r.info.artifact_uri.startswith(mine) for r in runs)
+    decodes = [r for r in runs if r.data.tags.get("stage") == "decode"]
+    assert len(decodes) == 2 and all(client.list_artifacts(r.info.run_id) for r in decodes)
+
+
+# Stops land between the saves at 20 and 40: the whole window is the last save interval.
+LAST_INTERVAL = ["train.save_every=20"]
+
+
+@pytest.fixture(scope="module")
+def straight_flow(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("straight") / "work"
+    code, out = finish(flow(work, *LAST_INTERVAL))
+    assert code == 0, out[-3000:]
+    return work
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["SIGTERM to the group", "SIGKILL to the flow alone"])
+def test_a_stop_in_the_last_save_interval_ends_like_an_uninterrupted_run(
+    straight_flow, tmp_path, stop
+):
+    """The documented stop (SIGTERM to the process group), and the flow's process killed
+    alone (its trainer, told by Linux, saves and stops): the trainer's state at the step it
+    stopped on is no snapshot, so the rerun averages what an uninterrupted run averages,
+    bitwise, from the same files, under one MLflow parent run."""
+    work = tmp_path / "work"
+    proc = flow(work, *LAST_INTERVAL)
+    wait_for(lambda: any(work.glob("train/*/checkpoints/state-0000020.pt")), 600, proc,
+             "the state of step 20")  # fmt: skip
+    if stop.startswith("SIGTERM"):
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.kill()
+    finish(proc, timeout=120)
+    deadline = time.monotonic() + 60
+    while not _group_gone(proc.pid):  # the trainer saves, then exits
+        assert time.monotonic() < deadline, "the trainer outlived the flow by 60 s"
+        time.sleep(0.2)
+    stopped_at = max(p.name for p in run_dir(work).glob("checkpoints/state-*"))
+    assert stopped_at not in ("state-0000020.pt", "state-0000040.pt"), "no stop in between"
+    code, out = finish(flow(work, *LAST_INTERVAL))
+    assert code == 0, out[-3000:]
+    folder = lambda w: sorted(p.name for p in (run_dir(w) / "checkpoints").iterdir())
+    assert folder(work) == folder(straight_flow)
+    averaged = [load_model_file(next((w / "average").glob("*/model.pt"))).model
+                for w in (work, straight_flow)]  # fmt: skip
+    assert all(torch.equal(averaged[0][k], averaged[1][k]) for k in averaged[0])
+    assert len(parent_runs(work)) == 1
+    finished = lambda w: sorted(c.data.tags["stage"]
+                                for c in children(w, parent_runs(w)[0].info.run_id)
+                                if c.info.status == "FINISHED")  # fmt: skip
+    assert finished(work) == finished(straight_flow)
+
+
+def _digest(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.endswith(".lock")}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_ten_kills_at_random_moments_each_end_like_an_uninterrupted_run(tmp_path):
     """Seeded random moments, from Prefect's start to the last stage: after each kill of
