@@ -157,6 +157,18 @@ IN_PROCESS = [
     ("export: bad quantization", export.main, ["{model}", "--format", "ctranslate2", "--quantization", "int4", "--out", "{root}/x"], "--quantization 'int4'"),
     ("export: pre-norm to Marian", export.main, ["{prenorm}", "--format", "huggingface", "--out", "{root}/x"], "model.norm_first"),
     ("export: out under a file", export.main, ["{model}", "--format", "ctranslate2", "--out", "{a_file}/x"], "a_file"),
+    # Outputs that would destroy what the command reads or what it did not make (#43).
+    ("export: --out holds the model", export.main, ["{model}", "--format", "ctranslate2", "--out", "{root}"], "holds the input"),
+    ("export: --out is the model", export.main, ["{model}", "--format", "ctranslate2", "--out", "{model}"], "holds the input"),
+    ("export: --out someone's folder", export.main, ["{model}", "--format", "ctranslate2", "--out", "{run}"], "a non-empty folder this command did not make"),
+    ("export: --out a file", export.main, ["{model}", "--format", "ctranslate2", "--out", "{a_file}"], "a_file: a file, not a folder"),
+    ("translate: --output the model", translate.main, ["--model", "{model}", "--input", "{text}", "--output", "{model}"], "holds the input"),
+    ("translate: --output kept, bad model", translate.main, ["--model", "{not_a_model}", "--input", "{text}", "--output", "{three}"], "notes.txt: unreadable"),
+    ("translate: --output kept, --beam 0", translate.main, ["--model", "{model}", "--input", "{text}", "--output", "{three}", "--beam", "0"], "beam"),
+    ("translate: --output kept, bad input", translate.main, ["--model", "{model}", "--input", "{latin1}", "--output", "{three}"], "latin1.en"),
+    ("average: --out its own snapshot", average.main, ["{run}", "--last", "2", "--out", "{run}/checkpoints/model-0000004.pt"], "holds the input"),
+    ("average: --out a snapshot given", average.main, ["{run}/checkpoints/model-0000002.pt", "{run}/checkpoints/model-0000004.pt", "--out", "{run}/checkpoints/model-0000002.pt"], "holds the input"),
+    ("average: --out the vocabulary", average.main, ["{run}", "--last", "2", "--out", "{run}/spm.model"], "holds the input"),
 ]  # fmt: skip
 
 PROCESSES = [
@@ -201,7 +213,7 @@ def _check(code: int, err: str, culprit: str, before: dict, after: dict, logs=Fa
     ("name", "command", "args", "culprit"), IN_PROCESS, ids=[c[0] for c in IN_PROCESS]
 )
 def test_library_commands(name, command, args, culprit, env, capsys):  # fmt: skip
-    guarded = [env["run"], env["model"], env["shards"], env["params"]]
+    guarded = [env["run"], env["model"], env["shards"], env["params"], env["three"], env["a_file"]]
     before = digest(guarded)
     capsys.readouterr()
     try:

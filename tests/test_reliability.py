@@ -87,7 +87,8 @@ def test_sigterm_saves_training_and_every_process_exits_within_30_s(tmp_path):
     assert f"at step {saved}" in (run_dir(work) / "train.log").read_text()  # resumed there
 
 
-@pytest.mark.parametrize("nproc", [1, 2])  # the trainer alone; torchrun and its workers
+@pytest.mark.parametrize("nproc", [  # torchrun and its workers; the slow suite: the trainer alone
+    2, pytest.param(1, marks=pytest.mark.slow)])  # fmt: skip
 def test_a_group_sigint_stops_a_flow_that_ignores_it_as_a_ctrl_c_does(tmp_path, nproc):
     """A flow started with `&` by a script ignores SIGINT (the shell sets SIG_IGN, Python
     keeps it); the trainer, or torchrun and its workers, take it: they save and stop. The

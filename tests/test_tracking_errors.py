@@ -94,13 +94,15 @@ DEAD = "http://user:" + SECRET + "@127.0.0.1:9"  # port 9 (discard): nothing lis
 
 # (id, overrides, environment, what the error line must hold). A tracking server's
 # credentials leave its URI for the environment (MLFLOW_TRACKING_USERNAME/PASSWORD) at once.
+SLOW = pytest.mark.slow  # ~9 s a flow process: the default suite keeps one of each kind
 CASES = [
-    ("a scheme MLflow has not", ["pipeline.tracking_uri=ftp://host/runs"], {},
-     "pipeline.tracking_uri ftp://host/runs: scheme 'ftp'"),
+    pytest.param("a scheme MLflow has not", ["pipeline.tracking_uri=ftp://host/runs"], {},
+                 "pipeline.tracking_uri ftp://host/runs: scheme 'ftp'", marks=SLOW),
     ("no tracking server", [f"pipeline.tracking_uri={DEAD}"], {},
      "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers"),
-    ("no tracking server, from the environment", [], {"MLFLOW_TRACKING_URI": DEAD},
-     "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers"),
+    pytest.param("no tracking server, from the environment", [], {"MLFLOW_TRACKING_URI": DEAD},
+                 "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers",
+                 marks=SLOW),
     ("a registered model name with a slash", ["pipeline.registered_model=team/model"], {},
      "pipeline.registered_model: Invalid model name 'team/model'"),
     ("no Prefect API", [], {"PREFECT_API_URL": DEAD + "/api"},
@@ -108,7 +110,10 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "overrides", "env", "culprit"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "overrides", "env", "culprit"), CASES,
+    ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CASES],
+)  # fmt: skip
 def test_a_store_or_api_misconfigured_is_one_line_before_any_stage(
     servers, tmp_path, name, overrides, env, culprit
 ):

@@ -136,6 +136,27 @@ def test_command_line_file_to_file(model_file, tmp_path):
     assert hyp.read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
 
 
+def test_two_writers_of_one_output_leave_one_whole_file_and_a_device_stays_one(
+    model_file, tmp_path
+):
+    """Each writes aside and renames: the output is one writer's, whole, never the two
+    interleaved; a device (/dev/null) is written in place, not replaced by a file."""
+    src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
+    src.write_text("\n".join(LINES * 40) + "\n", encoding="utf-8")
+    hyp.write_text("an earlier translation\n", encoding="utf-8")
+    argv = ["--model", str(model_file), "--input", str(src), "--device", "cpu"]
+    cmd = [sys.executable, "-m", "transformer.translate", *argv, "--output", str(hyp)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    writers = [subprocess.Popen(cmd, cwd=ROOT, env=env) for _ in range(2)]
+    assert [w.wait(timeout=300) for w in writers] == [0, 0]
+    assert run_cli([*argv, "--output", "/dev/null"]).returncode == 0
+    assert Path("/dev/null").is_char_device()
+    model, sp, params = load_translator(model_file, "cpu")
+    expected = translate_lines(model, sp, LINES * 40, params.decode, "cpu")
+    assert hyp.read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+
+
 def test_command_line_early_stop_option_sets_the_search_rule(model_file, tmp_path, monkeypatch):
     src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
     src.write_text("\n".join(LINES) + "\n", encoding="utf-8")

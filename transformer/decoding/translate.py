@@ -21,6 +21,7 @@ import re
 import select
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 import torch
@@ -303,9 +304,14 @@ def _open(args: argparse.Namespace, files: contextlib.ExitStack) -> tuple[Binary
         return source, sys.stdout.buffer
     read = [*args.model, *([args.input] if args.input != "-" else [])]
     check_output(args.output, read, "--output")
+    path = Path(args.output)
+    # A regular file is written aside and renamed onto; a device, a pipe or a link
+    # (/dev/stdout) is written in place: a rename would replace the node, not feed it.
+    aside = not path.is_symlink() and (path.is_file() or not path.exists())
     try:  # unbuffered: each batch is written whole anyway, and a buffer flushed at close
         # would raise a full disk's error after ours, naming no file
-        return source, files.enter_context(atomic_file(args.output, buffering=0))
+        opened = atomic_file(path, buffering=0) if aside else open(path, "wb", buffering=0)  # noqa: SIM115
+        return source, files.enter_context(opened)
     except OSError as err:
         raise _UsageError(f"--output {args.output}: {err.strerror}") from None
 
