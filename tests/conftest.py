@@ -214,3 +214,23 @@ def assert_same_training(a: dict, b: dict) -> None:
             assert torch.equal(value, b["optimizer"]["state"][pid][name]), (pid, name)
     assert a["scheduler"] == b["scheduler"]
     assert a["data"] == b["data"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def answers(url: str) -> bool:
+    """Whether `url` answers 200 within 2 s (a server's health endpoint)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False

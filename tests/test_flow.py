@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import mlflow
 import pytest
 import torch
 import yaml
-from conftest import TINY_FLOW
+from conftest import TINY_FLOW, answers, free_port
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.filters import (
@@ -185,7 +184,7 @@ def test_the_model_is_registered_and_served_as_an_mlflow_pyfunc(first, work, tmp
     expected = Path(result["hypotheses"]).read_text().splitlines()[:3]
     assert model.predict(sources) == expected  # the same model, the same beam search
 
-    port = _free_port()
+    port = free_port()
     venv = Path(sys.executable).parent  # as after `. .venv/bin/activate`: uvicorn on PATH
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PATH=f"{venv}:{os.environ['PATH']}")
     mlflow_cli = str(venv / "mlflow")
@@ -193,7 +192,7 @@ def test_the_model_is_registered_and_served_as_an_mlflow_pyfunc(first, work, tmp
                      "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
                     env, tmp_path / "serve.log")  # fmt: skip
     try:
-        _wait(lambda: _answers(f"http://127.0.0.1:{port}/ping"), 120, "mlflow models serve")
+        _wait(lambda: answers(f"http://127.0.0.1:{port}/ping"), 120, "mlflow models serve")
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/invocations",
             data=json.dumps({"inputs": sources}).encode(),
@@ -339,7 +338,7 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
     schedule added once it is served (as `prefect deployment schedule create` adds one),
     due seconds later: the scheduled run completes, so does a run started with
     `prefect deployment run`; stopping the serve process pauses nothing."""
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = dict(
         os.environ,
@@ -360,7 +359,7 @@ def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_pa
                     env, tmp_path / "server.log")  # fmt: skip
     serving = None
     try:
-        _wait(lambda: _answers(f"{api}/health"), 120, "prefect server")
+        _wait(lambda: answers(f"{api}/health"), 120, "prefect server")
         # The served schedule (not the nightly retrain from the source, which could come due
         # during the test) is due tomorrow: registered and active, it must not fire.
         tomorrow = datetime.now(UTC) + timedelta(days=1)
@@ -446,12 +445,6 @@ def _task_runs(state) -> list:
     return asyncio.run(read())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(cmd, env, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         cmd,
@@ -461,14 +454,6 @@ def _spawn(cmd, env, log: Path) -> subprocess.Popen:
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def _wait(ready, seconds: float, what: str, logs=lambda: ""):

@@ -12,10 +12,10 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import answers, free_port
 from mlflow.tracking import MlflowClient
 
 from tasks.tracking import redact
@@ -27,27 +27,11 @@ SECRET = "s3cr3t-t0ken"
 pytestmark = pytest.mark.timeout(600)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def _serve(cmd: list[str], env: dict, health: str, log: Path) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 180
-    while not _answers(health):
+    while not answers(health):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
     return proc
@@ -60,7 +44,7 @@ def servers(tmp_path_factory):
     bin_ = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     env |= {"PREFECT_HOME": str(root / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    prefect_port, mlflow_port = _free_port(), _free_port()
+    prefect_port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{prefect_port}/api"
     prefect = _serve([str(bin_ / "prefect"), "server", "start", "--host", "127.0.0.1",
                       "--port", str(prefect_port), "--no-ui"],
