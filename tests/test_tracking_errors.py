@@ -163,3 +163,42 @@ def test_redact_hides_user_info_of_every_url_and_nothing_else():
     assert redact(text) == (
         "a http://***@h:1/x and https://***@h/y, sqlite:////w/mlflow.db, me@example.org"
     )
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB file system of its own (tmpfs), made read-only on demand; root only."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if made.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_and_a_read_only_store_are_one_line_naming_the_store(small_disk):
+    from tasks.tracking import TrackingError, client_for, experiment_id, store_errors
+
+    filler = small_disk / "filler"
+    with pytest.raises(OSError), open(filler, "wb", buffering=0) as f:
+        while True:  # the disk full before MLflow makes its store
+            f.write(b"x" * 4096)
+    uri = f"sqlite:///{small_disk / 'mlflow.db'}"
+    with pytest.raises(TrackingError, match=rf"MLflow store {uri}: .*full"):
+        client_for(uri)
+    assert not (small_disk / "mlflow.db").exists()  # whole or not at all
+    filler.unlink()
+    client_for(uri)
+    read_only = small_disk.parent / "read-only"  # the same store, seen through a ro mount
+    read_only.mkdir()
+    for args in (["--bind"], ["-o", "remount,ro,bind"]):
+        subprocess.run(["mount", *args, str(small_disk), str(read_only)], check=True)
+    try:
+        uri = f"sqlite:///{read_only / 'mlflow.db'}"
+        readonly = pytest.raises(TrackingError, match=rf"MLflow store {uri}: .*readonly")
+        with readonly, store_errors(uri):  # as open-run opens the store
+            experiment_id(client_for(uri), "wmt14-ende", uri, read_only)
+    finally:
+        subprocess.run(["umount", "-l", str(read_only)], check=True)
