@@ -8,7 +8,6 @@ case costs one flow process and not a temporary API's start."""
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
 import sys
 import time
@@ -18,7 +17,14 @@ import pytest
 from conftest import answers, free_port
 from mlflow.tracking import MlflowClient
 
-from tasks.tracking import redact
+from tasks.tracking import (
+    TrackingError,
+    client_for,
+    create_sqlite_store,
+    experiment_id,
+    redact,
+    store_errors,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "params" / "smoke.yaml")
@@ -108,28 +114,40 @@ def test_a_store_or_api_misconfigured_is_one_line_before_any_stage(
     assert not [p for p in work.glob("*") if p.name in ("prepare", "clean", "mlflow.db")]
 
 
-def test_a_locked_store_and_a_store_that_is_no_database_are_one_line(servers, tmp_path):
+def test_a_locked_store_and_a_store_that_is_no_database_are_one_line(tmp_path):
     """`sqlite3 work/mlflow.db 'BEGIN EXCLUSIVE'` held open by another process, then a file
-    in the store's place that SQLite cannot read."""
-    work = tmp_path / "work"
-    work.mkdir()
-    db = work / "mlflow.db"
-    from tasks.tracking import create_sqlite_store
+    in the store's place that SQLite cannot read, as open-run opens the store (the flow
+    makes every TrackingError its one line: the cases above)."""
+    from tasks.tracking import (
+        TrackingError,
+    )
 
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
     create_sqlite_store(db)
-    holder = sqlite3.connect(db)
-    holder.execute("BEGIN EXCLUSIVE")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(db)], stdout=subprocess.PIPE)
     try:
-        code, out = run_flow(servers, work)
+        assert holder.stdout.readline() == b"locked\n"
+        with pytest.raises(TrackingError, match=rf"MLflow store {uri}: .*locked"):
+            open_store(uri, tmp_path)
     finally:
-        holder.rollback()
-        holder.close()
-    line = one_error(code, out)
-    assert f"MLflow store sqlite:///{db}" in line and "locked" in line, line
+        holder.kill()
+        holder.wait()
     db.write_bytes(b"not a database, " * 100)
-    code, out = run_flow(servers, work)
-    assert f"MLflow store sqlite:///{db}" in one_error(code, out)
+    with pytest.raises(TrackingError, match=rf"MLflow store {uri}: .*not a database"):
+        open_store(uri, tmp_path)
     assert db.read_bytes() == b"not a database, " * 100  # nothing written over it
+
+
+def open_store(uri: str, work: Path) -> None:
+    """As the flow's open-run task opens the store."""
+    with store_errors(uri):
+        experiment_id(client_for(uri), "wmt14-ende", uri, work)
+
+
+HOLD_LOCK = """import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1]); con.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True); time.sleep(600)"""
 
 
 def test_a_credential_in_the_tracking_uri_appears_nowhere(servers, tmp_path):
@@ -179,8 +197,6 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_and_a_read_only_store_are_one_line_naming_the_store(small_disk):
-    from tasks.tracking import TrackingError, client_for, experiment_id, store_errors
-
     filler = small_disk / "filler"
     with pytest.raises(OSError), open(filler, "wb", buffering=0) as f:
         while True:  # the disk full before MLflow makes its store
@@ -197,8 +213,7 @@ def test_a_full_disk_and_a_read_only_store_are_one_line_naming_the_store(small_d
         subprocess.run(["mount", *args, str(small_disk), str(read_only)], check=True)
     try:
         uri = f"sqlite:///{read_only / 'mlflow.db'}"
-        readonly = pytest.raises(TrackingError, match=rf"MLflow store {uri}: .*readonly")
-        with readonly, store_errors(uri):  # as open-run opens the store
-            experiment_id(client_for(uri), "wmt14-ende", uri, read_only)
+        with pytest.raises(TrackingError, match=rf"MLflow store {uri}: .*readonly"):
+            open_store(uri, read_only)
     finally:
         subprocess.run(["umount", "-l", str(read_only)], check=True)
