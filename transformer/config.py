@@ -24,6 +24,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from transformer.cli import UserError
+from transformer.files import read_bounded
 
 
 class ParamsError(UserError, ValueError):
@@ -410,25 +411,40 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    if path.resolve() in seen:
-        raise ParamsError(f"{path}: extends: cycle through {', '.join(map(str, seen))}")
+# A params or deployments file is a few kB: the bound only stops a wrong path (a dataset, a
+# device, an endless FIFO) from being read whole into memory; `extends` chains are a few
+# files deep (smoke -> base), and a longer one is a mistake, not a design.
+MAX_YAML_BYTES = 1 << 20
+MAX_EXTENDS = 8
+
+
+def read_yaml(path: Path, what: str, error: type[Exception]) -> Any:
+    """The data of the YAML file `path` (files.read_bounded's bound and checks; a key given
+    twice is refused); every failure is `error`, one line naming the file."""
+    data = read_bounded(path, MAX_YAML_BYTES, what, error)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ParamsError(f"{path}: no such params file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ParamsError(f"{path}: cannot read: {err}") from None
-    try:
-        tree = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: data only
+        return yaml.load(data.decode("utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader: data only
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
-        raise ParamsError(f"{path}:{where}: malformed YAML: {problem}") from None
+        raise error(f"{path}:{where}: malformed YAML: {problem}") from None
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise error(f"{path}: malformed YAML: nested too deeply") from None
+
+
+def _read_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if path.resolve() in seen:
+        raise ParamsError(f"{path}: extends: cycle through {', '.join(map(str, seen))}")
+    if len(seen) > MAX_EXTENDS:
+        raise ParamsError(f"{path}: extends: more than {MAX_EXTENDS} files deep ({seen[0]} ...)")
+    tree = read_yaml(path, "params file", ParamsError)
     tree = {} if tree is None else tree
     if not isinstance(tree, dict):
-        raise ParamsError(f"{path}: the top level must be a mapping of sections")
+        kind = type(tree).__name__
+        raise ParamsError(f"{path}: <top>: must be a mapping of sections, got {kind}")
     parent = tree.pop("extends", None)
     if parent is None:
         return tree
@@ -486,7 +502,7 @@ def _describe(err: ValidationError, path: Path, overrides) -> str:
         from_override = any(o.partition("=")[0] == dotted for o in overrides)
         origin = f"{path} (override)" if from_override else str(path)
         lines.append(f"{origin}: {dotted or '<top>'}: {msg}")
-    return "\n".join(lines)
+    return "; ".join(lines)  # one line, as every user error
 
 
 # --------------------------------------------------------------------------- identity
