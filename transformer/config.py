@@ -78,6 +78,17 @@ def _tree(node: BaseModel, leave_out: Callable[[FieldInfo], bool]) -> dict[str, 
     return out
 
 
+# Every seed fits every generator seeded from it: numpy's Generator and its legacy
+# np.random.seed (given seed % 2**32) take no negative seed, torch.manual_seed no seed past
+# 2**64 - 1; [0, 2**32) leaves room for the trainer's seed + rank and the cooldown branches'
+# seed + i (Params checks those) and is the range fairseq's and Marian's --seed take.
+SEEDS = 2**32
+
+
+def seed_field() -> Any:
+    return Field(1, ge=0, lt=SEEDS)
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -152,7 +163,7 @@ class VocabConfig(Section):
     model_type: Literal["bpe", "unigram"] = "bpe"
     sample_size: int = Field(2_000_000, ge=1)  # sentences sampled to learn the BPE merges
     character_coverage: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = 1
+    seed: int = seed_field()
 
 
 class ShardConfig(Section):
@@ -255,7 +266,7 @@ class TrainConfig(Section):
     # Operational, as max_tokens: it changes how the updates are cut, not the recipe; a
     # resume across a change continues at the same point of the epoch, with a warning.
     shape_classes: int = operational(0, added=True, ge=0)
-    seed: int = 1
+    seed: int = seed_field()
     save_every: int = operational(1000, ge=1)  # steps between checkpoints
     keep_last: int = operational(5, ge=1)  # model snapshots kept for averaging
     keep_best: int = operational(1, ge=0)  # and the best ones by best_metric
@@ -355,6 +366,10 @@ class Params(Section):
                              "model.dropout already; leave it null")  # fmt: skip
         if self.average.cooldowns > 1 and not self.train.cooldown:
             raise ValueError("average.cooldowns: more than 1 needs a cooldown (train.cooldown > 0)")
+        if self.train.seed + self.average.cooldowns - 1 >= SEEDS:  # branch i trains with seed + i
+            raise ValueError(f"train.seed: {self.train.seed} + average.cooldowns - 1 must be "
+                             f"below {SEEDS}")  # fmt: skip
+        self._positions_fit()
         kept = self.train.keep_last if self.average.select == "last" else self.train.keep_best
         if self.average.last_n > kept:
             which = f"keep_{self.average.select}"
@@ -363,6 +378,24 @@ class Params(Section):
                 "the snapshots to average would be deleted"
             )
         return self
+
+    def _positions_fit(self) -> None:
+        """A learned position table (Table 3 row (E)) has max_positions rows and no more: it
+        must hold the longest training side clean.max_len allows (every word at least one
+        subword, plus EOS) and the longest output decoding may write for it (BOS, then
+        max_len_a * source + max_len_b tokens), or training crashes, or decoding cuts its
+        outputs short. A sentence of more subwords than words can still exceed it: the
+        trainer checks the shards' own longest sequence (transformer/training/trainer.py)."""
+        if self.model.positional != "learned":
+            return
+        source = self.clean.max_len + 1
+        output = int(self.decode.max_len_a * source + self.decode.max_len_b) + 1
+        need, why = max((source, "clean.max_len + EOS"), (output, "the decode max length"))
+        if self.model.max_positions < need:
+            raise ValueError(
+                f"model.max_positions: {self.model.max_positions} learned positions, {why} "
+                f"needs {need}: raise it, or lower clean.max_len or decode.max_len_a/b"
+            )
 
 
 # --------------------------------------------------------------------------- loading
