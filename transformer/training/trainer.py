@@ -431,7 +431,7 @@ def _check_positions(cfg: ModelConfig, shards: Path, splits: dict[str, ShardData
     if cfg.positional != "learned":
         return
     for role, split in splits.items():
-        longest = int(split.lengths().max(initial=0))  # EOS included
+        longest = int(split.lengths.max(initial=0))  # EOS included
         if longest > cfg.max_positions:
             raise TrainError(
                 f"model.max_positions: {cfg.max_positions} learned positions, but {shards} "
