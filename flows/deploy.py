@@ -14,15 +14,18 @@ active: runs that come due meanwhile wait, Late, until a server process serves t
 from __future__ import annotations
 
 import sys
+import zoneinfo
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-import yaml
 from prefect import serve
 from prefect.schedules import Cron, Interval, Schedule
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flows.wmt14_ende import wmt14_ende
 from transformer.cli import ArgumentParser
+from transformer.config import read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,39 +34,84 @@ class DeploymentsError(ValueError):
     """A deployments file that cannot be read or says something this serve cannot do."""
 
 
-def declared(path: Path) -> dict[str, dict]:
-    """The deployments of a prefect.yaml, by name."""
-    try:
-        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
-        return {d["name"]: d for d in spec["deployments"]}
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
-        raise DeploymentsError(f"{path}: no readable 'deployments' list ({err})") from None
+class ScheduleSpec(BaseModel):
+    """One entry of a deployment's `schedules`, the keys `prefect deploy` reads for a cron or
+    interval schedule; any other key is refused, a typo (`timezon`) never a silent default."""
+
+    model_config = ConfigDict(extra="forbid")
+    cron: str | None = None
+    interval: float | None = Field(None, gt=0)  # seconds, as prefect.yaml writes it
+    anchor_date: datetime | None = None
+    timezone: str | None = None
+    active: bool = True
+    parameters: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ScheduleSpec:
+        if (self.cron is None) == (self.interval is None):
+            raise ValueError("give exactly one of 'cron' and 'interval'")
+        if self.cron is not None:
+            Cron(self.cron)  # ValueError for a cron string that does not parse
+        if self.timezone is not None and self.timezone not in zoneinfo.available_timezones():
+            raise ValueError(f"timezone: {self.timezone!r} is no IANA time zone")
+        return self
 
 
-def schedule(spec: dict, where: str) -> Schedule:
-    common = {
-        "timezone": spec.get("timezone"),
-        "active": spec.get("active", True),
-        "parameters": spec.get("parameters") or {},
-    }
-    if "cron" in spec:
-        return Cron(spec["cron"], **common)
-    if "interval" in spec:  # seconds, as prefect.yaml writes it
-        anchor = spec.get("anchor_date")
-        anchor = datetime.fromisoformat(anchor) if isinstance(anchor, str) else anchor
-        return Interval(timedelta(seconds=spec["interval"]), anchor_date=anchor, **common)
-    raise DeploymentsError(f"{where}: a schedule needs 'cron' or 'interval', got {spec}")
+class DeploymentSpec(BaseModel):
+    """One entry of `deployments`: what this serve reads; the rest (entrypoint, work_pool,
+    ...) is for `prefect deploy` and a worker."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    parameters: dict[str, Any]
+    schedules: list[ScheduleSpec] = []
+    tags: list[str] = []
+    description: str | None = None
 
 
-def deployments(specs: dict[str, dict], work_dir: str, names: list[str]):
+def declared(path: Path) -> dict[str, DeploymentSpec]:
+    """The deployments of a prefect.yaml, by name, each checked; an error names the file,
+    the deployment and the key."""
+    spec = read_yaml(path, "deployments file", DeploymentsError)
+    entries = spec.get("deployments") if isinstance(spec, dict) else None
+    if not isinstance(entries, list):
+        raise DeploymentsError(f"{path}: deployments: must be a list of deployments")
+    found = {}
+    for i, entry in enumerate(entries):
+        name = entry.get("name", f"#{i + 1}") if isinstance(entry, dict) else f"#{i + 1}"
+        if name in found:
+            raise DeploymentsError(f"{path}: deployment {name}: declared twice")
+        try:
+            found[name] = DeploymentSpec.model_validate(entry)
+        except ValidationError as err:
+            raise DeploymentsError(f"{path}: deployment {name}: {_reason(err)}") from None
+    return found
+
+
+def _reason(err: ValidationError) -> str:
+    """The first problem, in one line, after the dotted key it concerns."""
+    first = err.errors()[0]
+    key = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{key or '<top>'}: {'unknown key' if first['type'] == 'extra_forbidden' else message}"
+
+
+def schedule(spec: ScheduleSpec) -> Schedule:
+    common = {"timezone": spec.timezone, "active": spec.active, "parameters": spec.parameters}
+    if spec.cron is not None:
+        return Cron(spec.cron, **common)
+    return Interval(timedelta(seconds=spec.interval), anchor_date=spec.anchor_date, **common)
+
+
+def deployments(specs: dict[str, DeploymentSpec], work_dir: str, names: list[str]):
     work = str(Path(work_dir).resolve())
     return [
         wmt14_ende.to_deployment(
             name=name,
-            parameters={**specs[name]["parameters"], "work_dir": work},
-            schedules=[schedule(s, name) for s in specs[name].get("schedules") or []],
-            tags=specs[name].get("tags"),
-            description=specs[name].get("description"),
+            parameters={**specs[name].parameters, "work_dir": work},
+            schedules=[schedule(s) for s in specs[name].schedules],
+            tags=specs[name].tags,
+            description=specs[name].description,
         )
         for name in names
     ]

@@ -63,7 +63,59 @@ def env(tiny_params, tiny_shards, tmp_path_factory) -> dict[str, Path]:
     (bare / "manifest.json").unlink()
     files["no_manifest"] = bare
     files.update(_bad_corpora(root))
+    files.update(_bad_yaml(root))
+    files.update(_bad_models(model, run, root))
+    files["long_line"] = _write(root / "long.en", b"a cat\n" + b"dog " * 300_000 + b"\n")
     return files
+
+
+def _bad_yaml(root: Path) -> dict[str, Path]:
+    """Params and deployments files of odd shapes, or that lead to something no file is."""
+    os.mkfifo(root / "fifo")  # reading it would wait for a writer forever
+    good = "deployments:\n  - {name: x, parameters: {params: p.yaml}, schedules: [%s]}\n"
+    files = {
+        "yaml_list": b"- data\n- model\n",
+        "yaml_section_list": b"data: {source: {path: x}, src_lang: en, tgt_lang: de}\nmodel: [1, 2]\n",
+        "yaml_zero": b"extends: /dev/zero\n",
+        "yaml_fifo": b"extends: fifo\n",
+        "yaml_deep": b"data: " + b"[" * 5000 + b"]" * 5000 + b"\n",
+        "yaml_big": b"# " + b"x" * (2 << 20) + b"\n",
+        "deploy_cron": (good % "{cron: 'at noon'}").encode(),
+        "deploy_interval": (good % "{interval: hourly}").encode(),
+        "deploy_negative": (good % "{interval: -60}").encode(),
+        "deploy_list": (good % "[cron, '0 2 * * *']").encode(),
+        "deploy_scalar": good.replace("[%s]", "'0 2 * * *'").encode(),
+        "deploy_unknown": (good % "{cron: '0 2 * * *', timezon: UTC}").encode(),
+    }  # fmt: skip
+    out = {name: _write(root / f"{name}.yaml", data) for name, data in files.items()}
+    for i in range(10):  # chain0 -> chain1 -> ... -> chain9, 10 files deep
+        _write(root / f"chain{i}.yaml", f"extends: chain{i + 1}.yaml\n".encode())
+    _write(root / "chain10.yaml", b"data: {source: {path: x}, src_lang: en, tgt_lang: de}\n")
+    return out | {"yaml_chain": root / "chain0.yaml", "fifo": root / "fifo"}
+
+
+def _bad_models(model: Path, run: Path, root: Path) -> dict[str, Path]:
+    """Files with the right format tag and the wrong contents."""
+    import dataclasses
+
+    from transformer.model_file import atomic_save, load_file, load_model_file, save_model_file
+
+    mf = load_model_file(model)
+    weights = dict(mf.model)
+    first = next(iter(weights))
+    variants = {
+        "model_bad_params": {"params": {**mf.params, "model": {**mf.params["model"], "d_ff": 0}}},
+        "model_params_list": {"params": [1, 2]},
+        "model_missing_tensor": {"model": {k: v for k, v in weights.items() if k != first}},
+        "model_odd_shape": {"model": weights | {first: weights[first][:-1]}},
+        "model_not_tensor": {"model": weights | {first: "weights"}},
+    }
+    out = {name: save_model_file(root / f"{name}.pt", dataclasses.replace(mf, **change))
+           for name, change in variants.items()}  # fmt: skip
+    snapshot = load_file(next((run / "checkpoints").glob("model-*.pt")))
+    del snapshot["data_fingerprint"]
+    out["snapshot_no_fingerprint"] = atomic_save(snapshot, root / "model-0000009.pt")
+    return out
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -89,7 +141,7 @@ def _bad_corpora(root: Path) -> dict[str, Path]:
     """Copies of the shipped smoke corpus, each with one defect."""
     smoke = ROOT / "data" / "smoke"
     out = {}
-    for name in ("short", "latin1", "gz", "empty", "no_test"):
+    for name in ("short", "latin1", "gz", "empty", "no_test", "folder", "long"):
         folder = root / f"corpus_{name}"
         shutil.copytree(smoke, folder, ignore=shutil.ignore_patterns("*.py"))
         out[f"corpus_{name}"] = folder
@@ -104,6 +156,16 @@ def _bad_corpora(root: Path) -> dict[str, Path]:
     (root / "corpus_empty" / "train.en").write_bytes(b"   \n\n")
     (root / "corpus_empty" / "train.de").write_bytes(b"\n \n")
     (root / "corpus_no_test" / "test.de").unlink()
+    (root / "corpus_folder" / "train.en").unlink()
+    (root / "corpus_folder" / "train.en").mkdir()
+    (root / "corpus_long" / "train.en").write_bytes(
+        b"".join([english[0], b"dog " * 300_000 + b"\n", *english[2:]])
+    )
+    parquet = root / "corpus_parquet"
+    parquet.mkdir()
+    for split in ("train", "valid", "test"):  # parquet's magic bytes, nothing valid between
+        (parquet / f"{split}.parquet").write_bytes(b"PAR1" + b"\0" * 64 + b"PAR1")
+    out["corpus_parquet"] = parquet
     return out  # fmt: skip
 
 
@@ -119,6 +181,28 @@ def digest(paths) -> dict[str, str]:
 
 # (id, command, arguments (templates over the env's paths), what stderr must name)
 IN_PROCESS = [
+    ("config: top-level list", config.main, ["{yaml_list}"], "yaml_list.yaml: <top>: must be a mapping of sections, got list"),
+    ("config: section is a list", config.main, ["{yaml_section_list}"], "yaml_section_list.yaml: model: Input should be a valid dictionary"),
+    ("config: extends /dev/zero", config.main, ["{yaml_zero}"], "/dev/zero: not a regular file, not a params file"),
+    ("config: extends a FIFO", config.main, ["{yaml_fifo}"], "{fifo}: not a regular file, not a params file"),
+    ("config: params is a folder", config.main, ["{shards}"], "shards: a folder, not a params file"),
+    ("config: nested too deeply", config.main, ["{yaml_deep}"], "yaml_deep.yaml: malformed YAML: nested too deeply"),
+    ("config: too large", config.main, ["{yaml_big}"], "yaml_big.yaml: larger than 1,048,576 bytes"),
+    ("config: extends too deep", config.main, ["{yaml_chain}"], "extends: more than 8 files deep"),
+    ("config: negative seed", config.main, ["{params}", "train.seed=-1"], "train.seed: Input should be greater than or equal to 0"),
+    ("config: seed past 2**32", config.main, ["{params}", "train.seed=4294967296"], "train.seed: Input should be less than 4294967296"),
+    ("config: negative vocab seed", config.main, ["{params}", "vocab.seed=-5"], "vocab.seed: Input should be greater than or equal to 0"),
+    ("config: branch seed past 2**32", config.main, ["{params}", "train.seed=4294967295", "train.cooldown=0.5", "average.cooldowns=2"], "train.seed: 4294967295 + average.cooldowns - 1 must be below"),
+    ("config: learned positions too few", config.main, ["{params}", "model.positional=learned", "model.max_positions=64"], "model.max_positions: 64 learned positions, the decode max length needs 264"),
+    ("train: learned positions shorter than the shards", train.main, ["{params}", "model.positional=learned", "model.max_positions=5", "clean.max_len=4", "decode.max_len_a=0", "decode.max_len_b=1", "--data", "{shards}", "--out", "{root}/r6"], "model.max_positions: 5 learned positions, but {shards} holds a train sequence of"),
+    ("translate: a 1.2 MB line", translate.main, ["--model", "{model}", "--input", "{long_line}"], "long.en: line 2: longer than 1,048,576 bytes"),
+    ("translate: params do not validate", translate.main, ["--model", "{model_bad_params}", "--input", "{text}"], "model_bad_params.pt: invalid params: model.d_ff: Input should be greater than or equal to 1"),
+    ("translate: params not a mapping", translate.main, ["--model", "{model_params_list}", "--input", "{text}"], "model_params_list.pt: params: a list, not a dict"),
+    ("translate: a tensor missing", translate.main, ["--model", "{model_missing_tensor}", "--input", "{text}"], "model_missing_tensor.pt: weights do not fit its params: 1 missing keys"),
+    ("translate: a tensor of odd shape", translate.main, ["--model", "{model_odd_shape}", "--input", "{text}"], "model_odd_shape.pt: weights do not fit its params:"),
+    ("translate: a weight not a tensor", translate.main, ["--model", "{model_not_tensor}", "--input", "{text}"], "model_not_tensor.pt: model."),
+    ("export: params do not validate", export.main, ["{model_bad_params}", "--format", "ctranslate2", "--out", "{root}/x"], "model_bad_params.pt: invalid params: model.d_ff"),
+    ("average: snapshot without its fingerprint", average.main, ["{snapshot_no_fingerprint}", "--out", "{root}/avg.pt"], "model-0000009.pt: data_fingerprint: missing, not a str"),
     ("config: no such file", config.main, ["{root}/missing.yaml"], "missing.yaml: no such params file"),
     ("config: malformed YAML", config.main, ["{yaml_bad}"], "bad.yaml: line 3, column 1: malformed YAML"),
     ("config: duplicate key", config.main, ["{yaml_dup}"], "dup.yaml: line 4, column 3: malformed YAML: duplicate key 'd_ff'"),
@@ -172,6 +256,20 @@ IN_PROCESS = [
 ]  # fmt: skip
 
 PROCESSES = [
+    ("deploy: cron does not parse", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_cron}"], "deploy_cron.yaml: deployment x: schedules.0: Invalid cron string"),
+    ("deploy: interval not a number", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_interval}"], "deploy_interval.yaml: deployment x: schedules.0.interval: Input should be a valid number"),
+    ("deploy: negative interval", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_negative}"], "deploy_negative.yaml: deployment x: schedules.0.interval: Input should be greater than 0"),
+    ("deploy: schedule a list", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_list}"], "deploy_list.yaml: deployment x: schedules.0: Input should be a valid dictionary"),
+    ("deploy: schedules a scalar", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_scalar}"], "deploy_scalar.yaml: deployment x: schedules: Input should be a valid list"),
+    ("deploy: unknown schedule key", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_unknown}"], "deploy_unknown.yaml: deployment x: schedules.0.timezon: unknown key"),
+    ("deploy: file is /dev/zero", [sys.executable, "-m", "flows.deploy", "--file", "/dev/zero"], "/dev/zero: not a regular file, not a deployments file"),
+    ("deploy: file is a FIFO", [sys.executable, "-m", "flows.deploy", "--file", "{fifo}"], "{fifo}: not a regular file, not a deployments file"),
+    ("deploy: not a list of deployments", [sys.executable, "-m", "flows.deploy", "--file", "{yaml_list}"], "yaml_list.yaml: deployments: must be a list"),
+    ("flow: params extend /dev/zero", [sys.executable, "-m", "flows.wmt14_ende", "{yaml_zero}", "--work-dir", "{root}/work"], "/dev/zero: not a regular file"),
+    ("flow: negative seed", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "train.seed=-1", "--work-dir", "{root}/work"], "train.seed: Input should be greater than or equal to 0"),
+    ("flow: corrupt parquet source", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_parquet}", "data.source.format=parquet", "--work-dir", "{root}/work"], "corpus_parquet/train.parquet: not a readable parquet file"),
+    ("flow: a folder where a source file should be", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_folder}", "--work-dir", "{root}/work"], "corpus_folder/train.en: a folder, where a data file should be"),
+    ("flow: a source line of 1.2 MB", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_long}", "--work-dir", "{root}/work"], "corpus_long/train.en: line 2: longer than 1,048,576 bytes"),
     ("python -m transformer.config", [sys.executable, "-m", "transformer.config", "{root}/missing.yaml"], "missing.yaml"),
     ("python -m transformer.average", [sys.executable, "-m", "transformer.average", "{run}", "--last", "0", "--out", "{root}/a.pt"], "--last"),
     ("python -m transformer.translate", [sys.executable, "-m", "transformer.translate", "--model", "{not_a_model}"], "notes.txt"),
@@ -224,7 +322,9 @@ def test_library_commands(name, command, args, culprit, env, capsys):  # fmt: sk
 
 
 # Each of these runs the flow up to a data stage (~12 s): the slow suite takes them.
-SLOW_PROCESSES = {"flow: source is a file", "flow: line counts differ", "flow: truncated gzip",
+SLOW_PROCESSES = {"flow: corrupt parquet source", "flow: a folder where a source file should be",
+                  "flow: a source line of 1.2 MB",
+                  "flow: source is a file", "flow: line counts differ", "flow: truncated gzip",
                   "flow: no training text", "flow: work dir is a file"}  # fmt: skip
 
 

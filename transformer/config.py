@@ -24,6 +24,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from transformer.cli import UserError
+from transformer.files import read_bounded
 
 
 class ParamsError(UserError, ValueError):
@@ -75,6 +76,17 @@ def _tree(node: BaseModel, leave_out: Callable[[FieldInfo], bool]) -> dict[str, 
             continue
         out[name] = _tree(value, leave_out) if isinstance(value, BaseModel) else _json(value)
     return out
+
+
+# Every seed fits every generator seeded from it: numpy's Generator and its legacy
+# np.random.seed (given seed % 2**32) take no negative seed, torch.manual_seed no seed past
+# 2**64 - 1; [0, 2**32) leaves room for the trainer's seed + rank and the cooldown branches'
+# seed + i (Params checks those) and is the range fairseq's and Marian's --seed take.
+SEEDS = 2**32
+
+
+def seed_field() -> Any:
+    return Field(1, ge=0, lt=SEEDS)
 
 
 # --------------------------------------------------------------------------- data
@@ -151,7 +163,7 @@ class VocabConfig(Section):
     model_type: Literal["bpe", "unigram"] = "bpe"
     sample_size: int = Field(2_000_000, ge=1)  # sentences sampled to learn the BPE merges
     character_coverage: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = 1
+    seed: int = seed_field()
 
 
 class ShardConfig(Section):
@@ -254,7 +266,7 @@ class TrainConfig(Section):
     # Operational, as max_tokens: it changes how the updates are cut, not the recipe; a
     # resume across a change continues at the same point of the epoch, with a warning.
     shape_classes: int = operational(0, added=True, ge=0)
-    seed: int = 1
+    seed: int = seed_field()
     save_every: int = operational(1000, ge=1)  # steps between checkpoints
     keep_last: int = operational(5, ge=1)  # model snapshots kept for averaging
     keep_best: int = operational(1, ge=0)  # and the best ones by best_metric
@@ -354,6 +366,10 @@ class Params(Section):
                              "model.dropout already; leave it null")  # fmt: skip
         if self.average.cooldowns > 1 and not self.train.cooldown:
             raise ValueError("average.cooldowns: more than 1 needs a cooldown (train.cooldown > 0)")
+        if self.train.seed + self.average.cooldowns - 1 >= SEEDS:  # branch i trains with seed + i
+            raise ValueError(f"train.seed: {self.train.seed} + average.cooldowns - 1 must be "
+                             f"below {SEEDS}")  # fmt: skip
+        self._positions_fit()
         kept = self.train.keep_last if self.average.select == "last" else self.train.keep_best
         if self.average.last_n > kept:
             which = f"keep_{self.average.select}"
@@ -362,6 +378,24 @@ class Params(Section):
                 "the snapshots to average would be deleted"
             )
         return self
+
+    def _positions_fit(self) -> None:
+        """A learned position table (Table 3 row (E)) has max_positions rows and no more: it
+        must hold the longest training side clean.max_len allows (every word at least one
+        subword, plus EOS) and the longest output decoding may write for it (BOS, then
+        max_len_a * source + max_len_b tokens), or training crashes, or decoding cuts its
+        outputs short. A sentence of more subwords than words can still exceed it: the
+        trainer checks the shards' own longest sequence (transformer/training/trainer.py)."""
+        if self.model.positional != "learned":
+            return
+        source = self.clean.max_len + 1
+        output = int(self.decode.max_len_a * source + self.decode.max_len_b) + 1
+        need, why = max((source, "clean.max_len + EOS"), (output, "the decode max length"))
+        if self.model.max_positions < need:
+            raise ValueError(
+                f"model.max_positions: {self.model.max_positions} learned positions, {why} "
+                f"needs {need}: raise it, or lower clean.max_len or decode.max_len_a/b"
+            )
 
 
 # --------------------------------------------------------------------------- loading
@@ -410,25 +444,40 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    if path.resolve() in seen:
-        raise ParamsError(f"{path}: extends: cycle through {', '.join(map(str, seen))}")
+# A params or deployments file is a few kB: the bound only stops a wrong path (a dataset, a
+# device, an endless FIFO) from being read whole into memory; `extends` chains are a few
+# files deep (smoke -> base), and a longer one is a mistake, not a design.
+MAX_YAML_BYTES = 1 << 20
+MAX_EXTENDS = 8
+
+
+def read_yaml(path: Path, what: str, error: type[Exception]) -> Any:
+    """The data of the YAML file `path` (files.read_bounded's bound and checks; a key given
+    twice is refused); every failure is `error`, one line naming the file."""
+    data = read_bounded(path, MAX_YAML_BYTES, what, error)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ParamsError(f"{path}: no such params file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ParamsError(f"{path}: cannot read: {err}") from None
-    try:
-        tree = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: data only
+        return yaml.load(data.decode("utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader: data only
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
-        raise ParamsError(f"{path}:{where}: malformed YAML: {problem}") from None
+        raise error(f"{path}:{where}: malformed YAML: {problem}") from None
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise error(f"{path}: malformed YAML: nested too deeply") from None
+
+
+def _read_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if path.resolve() in seen:
+        raise ParamsError(f"{path}: extends: cycle through {', '.join(map(str, seen))}")
+    if len(seen) > MAX_EXTENDS:
+        raise ParamsError(f"{path}: extends: more than {MAX_EXTENDS} files deep ({seen[0]} ...)")
+    tree = read_yaml(path, "params file", ParamsError)
     tree = {} if tree is None else tree
     if not isinstance(tree, dict):
-        raise ParamsError(f"{path}: the top level must be a mapping of sections")
+        kind = type(tree).__name__
+        raise ParamsError(f"{path}: <top>: must be a mapping of sections, got {kind}")
     parent = tree.pop("extends", None)
     if parent is None:
         return tree
@@ -486,7 +535,7 @@ def _describe(err: ValidationError, path: Path, overrides) -> str:
         from_override = any(o.partition("=")[0] == dotted for o in overrides)
         origin = f"{path} (override)" if from_override else str(path)
         lines.append(f"{origin}: {dotted or '<top>'}: {msg}")
-    return "\n".join(lines)
+    return "; ".join(lines)  # one line, as every user error
 
 
 # --------------------------------------------------------------------------- identity

@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -94,6 +95,33 @@ def file_sha256(path: str | os.PathLike) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def read_bounded(path: str | os.PathLike, limit: int, what: str, error: type[Exception]) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` of them; anything else (no such
+    file, a folder, a FIFO or device such as /dev/zero, a larger file, an unreadable one) is
+    `error`, one line naming the file. Opened without blocking and checked with fstat
+    before any read: a FIFO would otherwise wait for a writer, /dev/zero never end."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}") from None
+    except OSError as err:
+        raise error(f"{path}: cannot read the {what}: {err.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise error(f"{path}: {kind}, not a {what}")
+    with open(fd, "rb") as f:
+        try:
+            data = f.read(limit + 1)  # one byte more tells a file over the bound
+        except OSError as err:
+            raise error(f"{path}: cannot read the {what}: {err.strerror}") from None
+    if len(data) > limit:
+        raise error(f"{path}: larger than {limit:,} bytes: not a {what}")
+    return data
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO], object]) -> Path:

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from transformer.cli import UserError
+from transformer.config import Params, params_from_dict
 from transformer.files import atomic_write
 
 MODEL_FORMAT = "transformer-mt/model/1"
@@ -65,11 +67,36 @@ def _reason(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-def load_typed(path: str | os.PathLike, kind: str, mmap: bool = False) -> dict:
-    """A file of format `kind` (STATE_FORMAT, SNAPSHOT_FORMAT, MODEL_FORMAT), loaded safely."""
+def load_typed(
+    path: str | os.PathLike, kind: str, mmap: bool = False, fields: dict[str, type] | None = None
+) -> dict:
+    """A file of format `kind` (STATE_FORMAT, SNAPSHOT_FORMAT, MODEL_FORMAT), loaded safely;
+    with `fields`, each of those keys must hold a value of its type (check_fields)."""
     obj = load_file(path, mmap=mmap)
     if obj.get("format") != kind:
         raise CheckpointError(f"{path}: a {obj.get('format')!r} file, not {kind!r}")
+    return check_fields(path, obj, fields or {})
+
+
+def check_fields(path: str | os.PathLike, obj: dict, fields: dict[str, type]) -> dict:
+    """`obj` if each key of `fields` holds a value of its type, and a `model` is a state dict
+    (names to tensors); else a CheckpointError naming the file and the key. A file with the
+    right format tag and the wrong contents (edited, or written by other code) is refused
+    here, in one line, not as a traceback wherever the value is first used."""
+    for key, kind in fields.items():
+        if not isinstance(obj.get(key), kind):
+            found = "missing" if key not in obj else f"a {type(obj[key]).__name__}"
+            raise CheckpointError(f"{path}: {key}: {found}, not a {kind.__name__}")
+    model = obj.get("model")
+    odd = (
+        [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
+        if isinstance(model, dict)
+        else []
+    )
+    if odd:
+        raise CheckpointError(
+            f"{path}: model.{odd[0]}: a {type(model[odd[0]]).__name__}, not a tensor"
+        )
     return obj
 
 
@@ -97,6 +124,19 @@ def save_model_file(path: str | os.PathLike, m: ModelFile) -> Path:
     )
 
 
+def params_of(path: str | os.PathLike, tree: dict) -> Params:
+    """The params a file holds, validated; CheckpointError naming the file and the key."""
+    try:
+        return params_from_dict(tree)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "<top>"
+        raise CheckpointError(f"{path}: invalid params: {where}: {first['msg']}") from None
+
+
+MODEL_FIELDS = {"params": dict, "model": dict, "spm_model": torch.Tensor, "meta": dict}
+
+
 def load_model_file(path: str | os.PathLike, map_location: str = "cpu") -> ModelFile:
     obj = load_file(path, map_location)
     if obj.get("format") != MODEL_FORMAT:
@@ -104,12 +144,10 @@ def load_model_file(path: str | os.PathLike, map_location: str = "cpu") -> Model
             f"{path}: not an exported model (format {obj.get('format')!r}, "
             f"expected {MODEL_FORMAT!r}); export one with `python -m transformer.average`"
         )
-    try:
-        return ModelFile(
-            params=obj["params"],
-            model=obj["model"],
-            spm_model=obj["spm_model"].numpy().tobytes(),
-            meta=obj["meta"],
-        )
-    except (KeyError, AttributeError, TypeError) as err:
-        raise CheckpointError(f"{path}: an incomplete model file ({err})") from None
+    check_fields(path, obj, MODEL_FIELDS)
+    return ModelFile(
+        params=obj["params"],
+        model=obj["model"],
+        spm_model=obj["spm_model"].numpy().tobytes(),
+        meta=obj["meta"],
+    )

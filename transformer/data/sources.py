@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import stat
 import time
 import zlib
 from collections.abc import Iterable, Iterator
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 BATCH_ROWS = 65_536  # pairs per record batch: large enough for vectorised ops, small in RAM
 SCHEMA = pa.schema([("src", pa.string()), ("tgt", pa.string())])
 PROGRESS_ROWS = 1_000_000  # a log line per million pairs read
+# A line of a text source is a sentence (clean.max_len bounds the training split's at 250
+# words): one of more than a MiB is no sentence, and is refused as it is read, never held.
+MAX_LINE_BYTES = 1 << 20
 HUB_ATTEMPTS = 3
 HUB_BACKOFF_S = 10.0  # doubled after each failed attempt
 OFFLINE_HINT = (
@@ -128,9 +132,16 @@ def read_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.Re
     """A parquet file's record batches, one row group at a time."""
     # Row group by row group rather than ParquetFile.iter_batches, whose buffers grew with
     # the file in our measurements (pyarrow 25); a row group is bounded by its writer.
-    parquet = pq.ParquetFile(path)
-    for i in range(parquet.metadata.num_row_groups):
-        yield from parquet.read_row_group(i, columns=columns).to_batches()
+    try:
+        parquet = pq.ParquetFile(path)
+        for i in range(parquet.metadata.num_row_groups):
+            yield from parquet.read_row_group(i, columns=columns).to_batches()
+    except (pa.ArrowException, OSError) as err:  # not parquet, truncated, a damaged page
+        raise DataError(f"{path}: not a readable parquet file ({_first_line(err)})") from None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def write_pairs(batches: Iterable[pa.RecordBatch], path: Path) -> int:
@@ -353,8 +364,16 @@ def _lines(path: Path) -> Iterator[Iterator[bytes]]:
     naming it, wherever in the file the damage is."""
 
     def read(f: IO[bytes]) -> Iterator[bytes]:
+        number = 0
         try:
-            yield from f
+            while line := f.readline(MAX_LINE_BYTES + 1):  # never more than the bound held
+                number += 1
+                if len(line) > MAX_LINE_BYTES:
+                    limit = f"{MAX_LINE_BYTES:,}"
+                    raise DataError(
+                        f"{path}: line {number}: longer than {limit} bytes: no sentence"
+                    )
+                yield line
         except (EOFError, zlib.error, gzip.BadGzipFile) as err:
             raise DataError(f"{path}: truncated or corrupt gzip file ({err})") from None
 
@@ -376,17 +395,31 @@ def _local_root(source: SourceConfig) -> Path:
 def _text_file(root: Path, split: str, lang: str) -> Path:
     plain = root / f"{split}.{lang}"
     gzipped = root / f"{split}.{lang}.gz"
-    if plain.is_file():
-        return plain
-    if gzipped.is_file():
-        return gzipped
+    for path in (plain, gzipped):
+        if _is_file(path):
+            return path
     raise DataError(f"{plain}: no such file (nor {gzipped.name})")
 
 
 def _required(path: Path) -> Path:
-    if not path.is_file():
+    if not _is_file(path):
         raise DataError(f"{path}: no such file")
     return path
+
+
+def _is_file(path: Path) -> bool:
+    """Whether a regular file is at `path` (False: nothing); anything else there, a folder
+    or a FIFO (whose reading would wait for a writer), is a DataError naming it."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise DataError(f"{path}: cannot read: {err.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise DataError(f"{path}: {kind}, where a data file should be")
+    return True
 
 
 def _local_files(cfg: DataConfig) -> list[Path]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import re
 import select
@@ -29,27 +30,23 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from transformer.cli import ArgumentParser
-from transformer.config import DecodeConfig, Params, params_from_dict
+from transformer.config import DecodeConfig, Params
 from transformer.data.vocab import Lowercasing, VocabError, load_spm
 from transformer.decoding.search import Hypothesis, beam_search
 from transformer.files import atomic_file, check_output
-from transformer.model_file import CheckpointError, load_model_file
+from transformer.model_file import CheckpointError, load_model_file, params_of
 from transformer.nn.model import Transformer
 from transformer.tokens import EOS, PAD
 
 Models = Transformer | list[Transformer]  # one model, or an ensemble
+log = logging.getLogger(__name__)
 
 
 def load_translator(model_path: str | os.PathLike, device: str | torch.device):
     """(model in eval mode on `device`, sentencepiece processor, params) from a model file;
     CheckpointError, in one line, if it is unreadable or its parts do not fit together."""
     mf = load_model_file(model_path)
-    try:
-        params = params_from_dict(mf.params)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(map(str, first["loc"]))
-        raise CheckpointError(f"{model_path}: invalid params: {where}: {first['msg']}") from None
+    params = params_of(model_path, mf.params)
     try:
         sp = load_spm(mf.spm_model)
     except VocabError as err:
@@ -128,29 +125,32 @@ def translate_batches(
     device: str | torch.device,
     n_best: int = 1,
     max_sentences: int | None = None,
+    first_line: int = 1,
 ) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
     """Per batch, longest sentences first: the indices of its lines, and each line's best
-    `n_best` hypotheses. Empty (or blank) lines are left out: they translate to ''."""
+    `n_best` hypotheses. Empty (or blank) lines are left out: they translate to ''.
+    `first_line`: the number of lines[0] in the input, for the warning about a cut line."""
     models = model if isinstance(model, list) else [model]
     todo = [i for i, line in enumerate(lines) if line.strip()]
-    sources = _source_ids(models, sp.encode([lines[i] for i in todo], add_eos=True))
+    sources = sp.encode([lines[i] for i in todo], add_eos=True)
+    cap = positions(models)
+    for j in (j for j, ids in enumerate(sources) if len(ids) > cap):
+        log.warning("line %d: %d subwords, cut to the model's %d positions (model.max_positions)",
+                    first_line + todo[j], len(sources[j]), cap)  # fmt: skip
+        sources[j] = [*sources[j][: cap - 1], EOS]
     for batch in batch_by_tokens(sources, cfg.max_tokens, max_sentences):
         src = pad_batch([sources[j] for j in batch], device)
         yield [todo[j] for j in batch], _search(models, src, cfg, n_best)
 
 
-def _positions(models: list[Transformer]) -> int | None:
-    """The most positions every model can embed: learned tables have max_positions rows."""
-    caps = [m.cfg.max_positions for m in models if m.cfg.positional == "learned"]
-    return min(caps, default=None)
-
-
-def _source_ids(models: list[Transformer], ids: list[list[int]]) -> list[list[int]]:
-    """A learned position table has max_positions rows: longer sources are cut (EOS kept)."""
-    cap = _positions(models)
-    if cap is None:
-        return ids
-    return [x if len(x) <= cap else [*x[: cap - 1], EOS] for x in ids]
+def positions(models: list[Transformer]) -> int:
+    """The most positions every model takes, EOS or BOS included: model.max_positions, the
+    rows of a learned table, and for sinusoids the length our exports declare (CTranslate2's
+    max_input_length, Marian's max_position_embeddings). A longer source is cut to it, as
+    CTranslate2 and Marian's --max-length-crop do, not refused as fairseq does: a file
+    still gets one translation a line, and no sentence is that long (a line that is no
+    sentence, past MAX_LINE_BYTES, is refused as it is read)."""
+    return min(m.cfg.max_positions for m in models)
 
 
 def batch_by_tokens(
@@ -181,13 +181,13 @@ def pad_batch(rows: list[list[int]], device: str | torch.device) -> torch.Tensor
 
 
 def _search(models: list[Transformer], src: torch.Tensor, cfg: DecodeConfig, n_best: int):
-    # The target side has as many learned positions as the source side, BOS included.
-    cap = _positions(models)
+    # The target side has as many positions as the source side, BOS included.
+    cap = positions(models)
     # One beam without a length penalty is exactly greedy search (search.py's rules).
     alpha = cfg.len_penalty if cfg.beam_size > 1 else 0.0
     return beam_search(
         models, src, cfg.beam_size, alpha, cfg.max_len_a, cfg.max_len_b, n_best,
-        max_len=None if cap is None else cap - 1, early_stop=cfg.early_stop,
+        max_len=cap - 1, early_stop=cfg.early_stop,
     )  # fmt: skip
 
 
@@ -324,6 +324,10 @@ def _opened(files: contextlib.ExitStack, path: str, option: str) -> BinaryIO:
 
 
 CHUNK_BYTES = 1 << 22  # the most input read at once (then sorted by length and batched)
+# A line is a sentence: a few hundred bytes, and past model.max_positions subwords it is cut
+# (positions()). One of more than a MiB is no sentence (a file without line breaks, a
+# binary file): it is refused, naming the line, before it is held whole or tokenized.
+MAX_LINE_BYTES = 1 << 20
 WAIT = 0.01  # seconds to wait for more input once some has come (a pipe refilling)
 
 
@@ -340,6 +344,10 @@ def _chunks(stream: BinaryIO, name: str) -> Iterator[list[str]]:
         *lines, tail = (tail + b"".join(data)).split(b"\n")
         if eof and tail:  # a last line without its "\n"
             lines.append(tail)
+        for i, line in enumerate([*lines, tail]):  # the tail: a line not yet ended
+            if len(line) > MAX_LINE_BYTES:
+                raise ValueError(f"{name}: line {number + i + 1}: longer than "
+                                 f"{MAX_LINE_BYTES:,} bytes: not a sentence")  # fmt: skip
         if lines:
             yield [_text(line, name, number + i) for i, line in enumerate(lines)]
             number += len(lines)
@@ -380,7 +388,10 @@ def _translate(models, sp, cfg, args, device, source: BinaryIO, out: BinaryIO) -
             ]
             written = _write_ready(out, blocks, 0, args.output)  # leading empty lines
             k = args.nbest or 1
-            for rows, hyps in translate_batches(models, sp, lines, cfg, device, k, args.batch_size):
+            batches = translate_batches(
+                models, sp, lines, cfg, device, k, args.batch_size, first_line=first + 1
+            )
+            for rows, hyps in batches:
                 for i, found in zip(rows, hyps, strict=True):
                     blocks[i] = _format(first + i, found, sp, nbest)
                 written = _write_ready(out, blocks, written, args.output)

@@ -29,9 +29,10 @@ from transformer.model_file import (
     ModelFile,
     load_file,
     load_typed,
+    params_of,
     save_model_file,
 )
-from transformer.training.checkpoint import SNAPSHOT_FORMAT, select_snapshots
+from transformer.training.checkpoint import SNAPSHOT_FIELDS, SNAPSHOT_FORMAT, select_snapshots
 
 log = logging.getLogger("transformer.average")  # not "__main__" under -m
 
@@ -81,7 +82,7 @@ def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Pat
     """Average model snapshots `paths` into a model file (see checkpoint.ModelFile);
     params and data fingerprint are those of the newest (the first of that step)."""
     check_output(out, [*paths, spm_model])
-    infos = [load_typed(p, SNAPSHOT_FORMAT, mmap=True) for p in paths]  # the inputs first
+    infos = [load_typed(p, SNAPSHOT_FORMAT, True, SNAPSHOT_FIELDS) for p in paths]  # inputs first
     if not Path(spm_model).is_file():
         raise CheckpointError(f"{spm_model}: no sentencepiece model to export with the model")
     newest = max(infos, key=lambda info: info["step"])
@@ -200,5 +201,5 @@ def _configured(run_dir: Path, last: int | None, best: int | None) -> AverageCon
     if last or best:
         return AverageConfig(last_n=last or best, select="last" if last else "best")
     newest = select_snapshots(run_dir, "last", 1)[-1]
-    params = load_typed(newest, SNAPSHOT_FORMAT, mmap=True)["params"]
-    return AverageConfig.model_validate(params["average"])
+    params = load_typed(newest, SNAPSHOT_FORMAT, True, SNAPSHOT_FIELDS)["params"]
+    return params_of(newest, params).average

@@ -37,6 +37,7 @@ from transformer.training.distributed import all_gather_objects
 
 STATE_FORMAT = "transformer-mt/state/1"
 SNAPSHOT_FORMAT = "transformer-mt/snapshot/1"
+SNAPSHOT_FIELDS = {"step": int, "params": dict, "data_fingerprint": str, "model": dict}
 KEEP_STATES = 2  # the newest training state, and one to fall back on if it is unreadable
 _NAME = re.compile(r"(state|model)-(\d{7})\.pt")
 
@@ -199,7 +200,7 @@ def select_snapshots(
         p for p in list_files(run_dir, "model") if max_step is None or file_step(p) <= max_step
     ]
     if select == "best":
-        metas = {p: load_typed(p, SNAPSHOT_FORMAT, mmap=True) for p in paths}
+        metas = {p: load_typed(p, SNAPSHOT_FORMAT, True, SNAPSHOT_FIELDS) for p in paths}
         scored = [p for p in paths if metas[p]["score"] is not None]
         sign = {p: -1.0 if metas[p].get("higher_is_better") else 1.0 for p in scored}
         paths = sorted(

@@ -25,7 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from transformer.cli import UserError
-from transformer.config import Params, to_dict
+from transformer.config import ModelConfig, Params, to_dict
 from transformer.data.batching import Batch, BatchLoader, ShardDataset, TokenBatchSampler
 from transformer.data.shard import verify_shards
 from transformer.data.vocab import load_spm
@@ -105,6 +105,7 @@ class Trainer:
         barrier()
         train = ShardDataset(shards, "train")
         self.valid, self.fingerprint = ShardDataset(shards, "valid"), train.fingerprint
+        _check_positions(params.model, shards, {"train": train, "valid": self.valid})
         self.sp = load_spm(train.spm_model)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = Transformer(params.model, self.sp.get_piece_size(), PAD).to(env.device)
@@ -421,6 +422,21 @@ class Trainer:
             "world_size": self.env.world_size,
             "torch_version": str(torch.__version__),  # TorchVersion is no safe global
         }
+
+
+def _check_positions(cfg: ModelConfig, shards: Path, splits: dict[str, ShardDataset]) -> None:
+    """Learned positions must hold the longest sequence of the splits the trainer reads (the
+    params' own bound, Params._positions_fit, counts words, and a word may be several
+    subwords): refused before the first step, not a crash at the batch that holds it."""
+    if cfg.positional != "learned":
+        return
+    for role, split in splits.items():
+        longest = int(split.lengths.max(initial=0))  # EOS included
+        if longest > cfg.max_positions:
+            raise TrainError(
+                f"model.max_positions: {cfg.max_positions} learned positions, but {shards} "
+                f"holds a {role} sequence of {longest} subwords"
+            )
 
 
 def seed_everything(seed: int) -> None:
