@@ -3,7 +3,7 @@
 `sbatch` submits a batch script (written into the run folder's `slurm/`) in which `srun`
 starts one torchrun agent per node; the agents meet at the job's first node (c10d
 rendezvous at its address in Slurm). The flow follows the job with `scontrol` (`sacct`
-once slurmctld has forgotten it), streams node 0's log, which holds rank 0's, and maps the
+once slurmctld has forgotten it), streams rank 0's log (train.log), and maps the
 job's end to the stage's result in one line. Every node reads and writes the same run
 folder: the work dir must be on a file system the nodes share.
 
@@ -66,11 +66,13 @@ exit "$code"
 NODE = """\
 #!/bin/bash
 # One node of the train stage's job: its torchrun agent, its stores on this node's address.
-# Node 0 hosts the rendezvous; its log, rank 0's, is the run's train.log.
+# Node 0 hosts the rendezvous. Each agent logs to a file of its node; rank 0, wherever the
+# rendezvous puts it, to the run's train.log (tasks/train_worker.py), which the flow follows.
 addr=$(sinfo -h -N -n "$SLURMD_NODENAME" -o %o | head -n 1)
-host=0; log={out}/train.node$SLURM_NODEID.log
-if [ "$SLURM_NODEID" = 0 ]; then host=1; log={log}; fi
-exec {command} >> "$log" 2>&1
+host=0
+if [ "$SLURM_NODEID" = 0 ]; then host=1; fi
+export RANK0_LOG={log}
+exec {command} >> {out}/train.node$SLURM_NODEID.log 2>&1
 """
 
 
@@ -189,7 +191,8 @@ def raise_for_end(
         what = f"ended: its trainers were stopped by signal {code - 128} and saved"
     elif state in ("FAILED", "COMPLETED"):
         err = exit_error(code, tail, out / "train.log")
-        raise TrainingFailed(f"{job} failed: {err}", user_error=err.user_error)
+        agents = "" if code == 2 else f"\n(each node's torchrun agent: {out}/train.node*.log)"
+        raise TrainingFailed(f"{job} failed: {err}{agents}", user_error=err.user_error)
     else:
         what = ENDINGS.get(state, f"ended {state}")
     raise TrainingFailed(f"{job} {what}: {resumes(out)}", user_error=True)
