@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -142,7 +143,9 @@ class SlurmJob:
             where = fields.get("NodeList") if state == "RUNNING" else fields.get("Reason")
             self.log.info("Slurm job %s: %s (%s)", self.job_id, state, where)
         self.state = state
-        self.code = max(int(n) for n in fields.get("ExitCode", "0:0").split(":"))
+        # ExitCode=status:signal; a script killed by a signal has no status of its own.
+        status, _, sig = fields.get("ExitCode", "0:0").partition(":")
+        self.code = int(status) or (128 + int(sig) if sig and int(sig) else 0)
         return state in ENDED
 
     def stop(self) -> None:
@@ -188,7 +191,7 @@ def raise_for_end(
     if limited:
         what = "reached its time limit; the trainers saved and stopped"
     elif state == "FAILED" and code > 128:
-        what = f"ended: its trainers were stopped by signal {code - 128} and saved"
+        what = f"ended: its trainers were stopped by {signal.Signals(code - 128).name} and saved"
     elif state in ("FAILED", "COMPLETED"):
         err = exit_error(code, tail, out / "train.log")
         agents = "" if code == 2 else f"\n(each node's torchrun agent: {out}/train.node*.log)"
