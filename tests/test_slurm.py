@@ -6,8 +6,12 @@ one line."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import TINY_FLOW, assert_same_training
 from mlflow.tracking import MlflowClient
 from slurm_cluster import require, slurm_cluster
@@ -227,3 +232,33 @@ def test_the_params_hash_and_the_stages_ignore_the_launcher():
     assert params_hash(local) == params_hash(far)
     inputs = {"shards": "x"}
     assert stage_key(BY_NAME["train"], local, inputs) == stage_key(BY_NAME["train"], far, inputs)
+
+
+GUIDE = ROOT / "docs" / "guides" / "many-nodes.md"
+
+
+def guide_commands() -> list[list[str]]:
+    text = GUIDE.read_text(encoding="utf-8")
+    return [shlex.split(line) for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+            for line in block.splitlines() if line.strip()]  # fmt: skip
+
+
+def test_the_guide_runs_what_the_tests_run():
+    """docs/guides/many-nodes.md: the deployment run names a deployment of prefect.yaml, the
+    flow's own parameter, a Prefect option, and overrides that validate against its params;
+    the flow command is the one the smoke flow test above runs on a real Slurm."""
+    from flows.wmt14_ende import wmt14_ende
+
+    deploy, run = guide_commands()
+    assert deploy[:3] == ["prefect", "deployment", "run"] and deploy[4] == "-p"
+    deployments = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    (deployment,) = [d for d in deployments if f"wmt14-ende/{d['name']}" == deploy[3]]
+    name, _, value = deploy[5].partition("=")
+    assert name in inspect.signature(wmt14_ende.fn).parameters
+    params = load_run_params(ROOT / deployment["parameters"]["params"], json.loads(value))
+    assert params.pipeline.launcher == "slurm" and params.pipeline.nnodes == 4
+    done = subprocess.run([str(Path(sys.executable).parent / "prefect"), "deployment", "run",
+                           "--help"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "--param -p" in done.stdout
+    assert run[:4] == ["python", "-m", "flows.wmt14_ende", "params/smoke.yaml"]
+    assert run[4:] == [*ON_SLURM, "--work-dir", "work"]
