@@ -83,6 +83,7 @@ def stage_params(work: Path, stage: str) -> list[dict]:
     return [r.data.params for r in runs]
 
 
+@pytest.mark.slow  # 2.5 min on 2 cores; the two-node test below is the default suite's
 def test_the_smoke_flow_on_slurm_trains_bitwise_as_the_local_launcher(
     cluster, fresh_flow, tmp_path
 ):
@@ -199,7 +200,8 @@ def test_a_cancelled_flow_cancels_its_job_which_saves_and_the_rerun_resumes(clus
     wait_for(lambda: any(work.glob("train/*/checkpoints/state-*")), 600, proc, "a checkpoint")
     os.killpg(proc.pid, signal.SIGTERM)  # as Prefect cancels a flow run, or a scheduler
     code, out = finish(proc, timeout=300)
-    assert code == 128 + signal.SIGTERM, out[-3000:]
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), out[-3000:]  # Prefect re-raises it
+    assert "cancelled Slurm job" in out, out[-3000:]
     (params,) = stage_params(work, "train")
     assert job_state(cluster, params["slurm_job_id"]) == "CANCELLED"
     assert "stopped by SIGTERM" in (run_dir(work) / "train.log").read_text()
