@@ -10,11 +10,58 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.tracking import TrackingError, credentials_to_env
 from transformer.config import Params, Section, load_params, operational
+
+# What the slurm launcher's batch script sets itself (tasks/slurm.py), or the keys above do:
+# given again in sbatch_options they would contradict it.
+SBATCH_OWN = {
+    "--nodes": "pipeline.nnodes", "-N": "pipeline.nnodes",
+    "--ntasks-per-node": "the launcher (one torchrun agent per node)",
+    "--ntasks": "the launcher (one torchrun agent per node)", "-n": "the launcher",
+    "--output": "the launcher (the run folder)", "-o": "the launcher (the run folder)",
+    "--error": "the launcher (the run folder)", "-e": "the launcher (the run folder)",
+    "--open-mode": "the launcher", "--chdir": "the launcher", "-D": "the launcher",
+    "--signal": "pipeline.slurm.signal_seconds", "--parsable": "the launcher",
+    "--time": "pipeline.slurm.time_limit_minutes", "-t": "pipeline.slurm.time_limit_minutes",
+    "--partition": "pipeline.slurm.partition", "-p": "pipeline.slurm.partition",
+    "--account": "pipeline.slurm.account", "-A": "pipeline.slurm.account",
+    "--array": "the launcher (one job)", "-a": "the launcher (one job)",
+    "--wrap": "the launcher",
+}  # fmt: skip
+
+
+class SlurmConfig(Section):
+    """The train stage's job on a Slurm cluster, for `pipeline.launcher: slurm`."""
+
+    partition: str | None = operational(None)  # None: the cluster's default partition
+    account: str | None = operational(None)  # None: the user's default account
+    # sbatch --time, in minutes as the other limits here; None: the partition's limit.
+    time_limit_minutes: int | None = operational(None, ge=1)
+    # The trainers get SIGTERM this long before the time limit and save. slurmctld looks at
+    # time limits every 30 s, so this must cover that and a save.
+    signal_seconds: int = operational(120, ge=30, le=65535)
+    # Anything else sbatch takes, one option a string: ["--gpus-per-node=8", "--exclusive"].
+    sbatch_options: list[str] = operational([])
+
+    @model_validator(mode="after")
+    def _checks(self) -> SlurmConfig:
+        limit = self.time_limit_minutes
+        if limit is not None and self.signal_seconds >= limit * 60:
+            raise ValueError(f"signal_seconds: {self.signal_seconds} s is not less than "
+                             f"time_limit_minutes ({limit} min)")  # fmt: skip
+        for option in self.sbatch_options:
+            name = option.split("=")[0]
+            if not option.startswith("-") or " " in name:
+                raise ValueError(f"sbatch_options: {option!r} is not one sbatch option "
+                                 "('--name=value', a list item each)")  # fmt: skip
+            if name in SBATCH_OWN:
+                raise ValueError(f"sbatch_options: {name} is set by {SBATCH_OWN[name]}")
+        return self
 
 
 class PipelineConfig(Section):
@@ -22,10 +69,25 @@ class PipelineConfig(Section):
     # MLFLOW_EXPERIMENT_NAME win over these, as everywhere in MLflow.
     tracking_uri: str | None = operational(None)
     experiment: str = operational("wmt14-ende")
+    # Where the train stage's processes run: this machine, or a job on a Slurm cluster
+    # (tasks/slurm.py) whose nodes share the work dir's file system.
+    launcher: Literal["local", "slurm"] = operational("local")
+    nnodes: int = operational(1, ge=1)  # nodes of the Slurm job
     nproc_per_node: int | None = operational(None, ge=1)  # None: one per GPU, or 1 on CPU
     train_timeout_minutes: float = operational(0.0, ge=0.0)  # 0: no limit
     # The MLflow Model Registry name of the averaged model; None: <experiment>-<params stem>
     registered_model: str | None = operational(None)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @model_validator(mode="after")
+    def _launcher(self) -> PipelineConfig:
+        if self.launcher == "local" and self.nnodes > 1:
+            raise ValueError(f"nnodes: {self.nnodes} nodes need pipeline.launcher: slurm "
+                             "(the local launcher trains on this machine only)")  # fmt: skip
+        if self.launcher == "slurm" and self.nproc_per_node is None:
+            raise ValueError("nproc_per_node: give the processes per node for launcher "
+                             "slurm (this machine cannot count a node's GPUs)")  # fmt: skip
+        return self
 
 
 class RunParams(Params):

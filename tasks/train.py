@@ -1,6 +1,7 @@
 """The train stage: the library's trainer in a subprocess (under torchrun for several
-processes), its output streamed to the run's log, its metrics in MLflow; and the cooldowns
-stage, the further cooldowns branched from the run that `average.cooldowns` asks for.
+processes) or a Slurm job of several nodes (tasks/launch.py, tasks/slurm.py), rank 0's
+output streamed to the run's log, its metrics in MLflow; and the cooldowns stage,
+the further cooldowns branched from the run that `average.cooldowns` asks for.
 
 The same run folder serves every params that differ only in operational keys: the trainer
 resumes from its newest state by itself, so a raised `train.max_steps` or `patience`
@@ -9,38 +10,25 @@ continues the run, and a killed run loses at most `train.save_every` steps.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import logging
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from prefect import get_run_logger
-from prefect.exceptions import TerminationSignal
 
+from tasks import slurm
+from tasks.launch import Layout, LocalRun, TrainingFailed, follow, local_command, worker
+from tasks.tracking import client_for
 from transformer.files import TRAIN_LOG
 from transformer.training.checkpoint import checkpoint_path, describe_run
 from transformer.training.optim import cooldown_start
+from transformer.training.plan import batch_plan
 
 # Keys that say where training ends: a finished record that asked for other values is
 # extended (or, if already past them, confirmed) by running the trainer again.
 STOP_KEYS = ("max_steps", "patience", "best_metric", "valid_every", "valid_bleu", "valid_beam")
-
-
-class TrainingFailed(RuntimeError):
-    """The trainer exited with an error: a bug, or (exit 2) a user error in one line."""
-
-    def __init__(self, message: str, user_error: bool):
-        super().__init__(message)
-        self.user_error = user_error
 
 
 def training_request(params) -> dict:
@@ -57,7 +45,7 @@ def launch_training(r) -> dict:
     """Train (or resume) in `r.out` until the params' stopping point; return where it got.
     `r`: a tasks.stages.StageRun."""
     with system_metrics(r.tracking):
-        launch(r.params_file, r.inputs["shards"], r.out, r.tracking, **limits(r.params))
+        launch(r.params, r.params_file, r.inputs["shards"], r.out, r.tracking)
     return {**describe_run(r.out), "request": training_request(r.params)}
 
 
@@ -80,8 +68,8 @@ def train_cooldowns(r) -> dict:
     with system_metrics(r.tracking):
         for i, out in enumerate(branches, 1):
             branch = ["--init-from", str(state), f"train.seed={train.seed + i}"]
-            launch(r.params_file, r.inputs["shards"], out, tracking, **limits(r.params),
-                   extra=branch)  # fmt: skip
+            launch(r.params, r.params_file, r.inputs["shards"], out, tracking, extra=branch,
+                   label=f"{out.name}.")  # fmt: skip
     return {out.name: describe_run(out) for out in branches}
 
 
@@ -103,111 +91,48 @@ def system_metrics(tracking: dict):
         monitor.finish()
 
 
-def limits(params) -> dict:
-    pipeline = params.pipeline
-    return {
-        "nproc": pipeline.nproc_per_node or torch.cuda.device_count() or 1,
-        "timeout_s": pipeline.train_timeout_minutes * 60 or None,
-    }
-
-
-def command(
-    params_file: Path, shards: Path, out: Path, nproc: int, extra: Sequence[str] = ()
-) -> list[str]:
-    """One process: plain python, no rendezvous, no port. Several: torchrun with its
-    stores on the loopback interface only (tasks/torchrun.py). Either way the trainer
-    saves and stops if this process dies. `extra`: the trainer's further arguments."""
-    worker = ["-m", "tasks.train_worker", str(params_file), "--data", str(shards),
-              "--out", str(out), "--no-timestamps", "--die-with-parent", *extra]  # fmt: skip
-    if nproc == 1:
-        return [sys.executable, *worker]
-    return [sys.executable, "-m", "tasks.torchrun", "--nnodes", "1",
-            "--nproc_per_node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", "127.0.0.1:0", "--local-addr", "127.0.0.1", *worker]  # fmt: skip
-
-
 def launch(
-    params_file: Path,
-    shards: Path,
-    out: Path,
-    tracking: dict,
-    nproc: int,
-    timeout_s: float | None,
-    extra: Sequence[str] = (),
-) -> None:
-    """Run the trainer to completion, following its log; raise with its tail on failure.
-
-    The trainer writes straight into the run folder's train.log, not into a pipe to this
-    process: if this process dies, the trainer still has somewhere to write while it saves
-    (a pipe would break under it), and it stops on its own (--die-with-parent)."""
+    params, params_file: Path, shards: Path, out: Path, tracking: dict,
+    extra: Sequence[str] = (), label: str = "",
+) -> None:  # fmt: skip
+    """Run the trainer in `out` to the params' stopping point, on this machine or as a Slurm
+    job (pipeline.launcher), following its log; raise TrainingFailed if it did not get
+    there. `extra`: the trainer's further arguments; `label`: a prefix for this launch's
+    own MLflow params (a cooldown's job id)."""
     log = get_run_logger()
-    cmd = command(params_file, shards, out, nproc, extra)
+    layout = Layout.of(params.pipeline)
+    record_layout(params, layout, tracking, log)
     # The trainer finds the pipeline's MLflow run through the environment (rank 0 logs).
     env = dict(os.environ, MLFLOW_RUN_ID=tracking["run_id"], MLFLOW_TRACKING_URI=tracking["uri"],
                PYTHONUNBUFFERED="1")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    log.info("launching: %s", " ".join(cmd))
-    tail: collections.deque[str] = collections.deque(maxlen=40)
-    timed_out = threading.Event()
-    # The trainer stays in our process group, so a signal to the group reaches it too.
-    with open(out / TRAIN_LOG, "ab") as logfile, open(out / TRAIN_LOG, encoding="utf-8") as reader:
-        reader.seek(logfile.tell())
-        proc = subprocess.Popen(cmd, env=env, stdout=logfile, stderr=subprocess.STDOUT)
-        # A timer, not a check per line: a hung rank prints nothing.
-        watchdog = threading.Timer(timeout_s or 0, stop, args=(proc, timed_out))
-        if timeout_s:
-            watchdog.start()
-        try:
-            while True:
-                line = reader.readline()
-                if line:
-                    tail.append(line.rstrip())
-                    forward(log, line.rstrip())
-                elif proc.poll() is not None:
-                    break
-                else:
-                    time.sleep(0.2)
-            code = proc.returncode
-        except BaseException:  # the task itself was interrupted: leave no trainer behind
-            stop(proc)
-            raise
-        finally:
-            watchdog.cancel()
-    if timed_out.is_set():
-        raise TrainingFailed("training exceeded pipeline.train_timeout_minutes", user_error=True)
-    if code - 128 in (signal.SIGINT, signal.SIGTERM):
-        # The trainer was signalled, saved and stopped, and this process was not (a job
-        # started with `&` by a script ignores SIGINT; a signal to the trainer alone): the
-        # run stops here as it would had the signal come here too.
-        raise KeyboardInterrupt if code - 128 == signal.SIGINT else TerminationSignal(code - 128)
-    if code == 2:  # the trainer's one-line user error is its last line
-        raise TrainingFailed(tail[-1] if tail else "training failed", user_error=True)
-    if code != 0:
-        last = "\n".join(tail)
-        raise TrainingFailed(f"the trainer exited with {code}; last lines of "
-                             f"{out / TRAIN_LOG}:\n{last}", user_error=code > 128)  # fmt: skip
+    work = worker(params_file, shards, out, extra)
+    timeout_s = params.pipeline.train_timeout_minutes * 60 or None
+    # The trainer writes straight into the run folder's train.log, not into a pipe to this
+    # process: if this process dies, the trainer still has somewhere to write while it saves
+    # (a pipe would break under it), and it stops on its own (--die-with-parent).
+    with open(out / TRAIN_LOG, "ab") as logfile:
+        start = logfile.tell()
+        if layout.launcher == "slurm":
+            run = slurm.submit(layout, params.pipeline.slurm, work, out, env, log)
+            client_for(tracking["uri"]).log_param(tracking["stage_run_id"],
+                                                  f"{label}slurm_job_id", run.job_id)  # fmt: skip
+        else:
+            cmd = local_command(layout, work)
+            log.info("launching: %s", " ".join(cmd))
+            run = LocalRun(cmd, env, logfile, out / TRAIN_LOG)
+        follow(run, out / TRAIN_LOG, start, log, timeout_s)
 
 
-def forward(log, line: str) -> None:
-    """A trainer line at its own level, its level word dropped (Prefect prints one); the
-    console's step lines and torchrun's lines as they are, at INFO."""
-    level, _, message = line.partition(" ")
-    if level in ("INFO", "WARNING", "ERROR") and message:
-        log.log(getattr(logging, level), message)
-    else:
-        log.info(line)
-
-
-def stop(proc: subprocess.Popen, timed_out: threading.Event | None = None) -> None:
-    """SIGTERM the trainer (torchrun forwards it to each rank, which finishes its update and
-    saves; one already signalled with the whole process group takes it as the same
-    request), then SIGKILL if it has not exited within 25 s."""
-    if proc.poll() is not None:
-        return
-    if timed_out is not None:
-        timed_out.set()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=25)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def record_layout(params, layout: Layout, tracking: dict, log) -> None:
+    """Where the ranks run, in the log and in the stage's MLflow run (not the pipeline's:
+    that one outlives a change of nodes, which is no stage's identity). The update is the
+    params' on any layout: update_freq follows from nodes x processes x max_tokens."""
+    update_freq, _ = batch_plan(params.train.batch_tokens, params.train.max_tokens, layout.ranks)
+    log.info("training on %d node(s) x %d process(es) = %d rank(s), %d micro-batch(es) an "
+             "update", layout.nnodes, layout.nproc, layout.ranks, update_freq)  # fmt: skip
+    record = {"launcher": layout.launcher, "nodes": layout.nnodes, "nproc_per_node": layout.nproc,
+              "ranks": layout.ranks, "update_freq": update_freq}  # fmt: skip
+    client = client_for(tracking["uri"])
+    for key, value in record.items():
+        client.log_param(tracking["stage_run_id"], key, value)

@@ -276,6 +276,7 @@ PROCESSES = [
     ("flow: no params file", [sys.executable, "-m", "flows.wmt14_ende", "{root}/none.yaml", "--work-dir", "{root}/work"], "none.yaml: no such params file"),
     ("flow: bad override", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "train.max_steps=x", "--work-dir", "{root}/work"], "train.max_steps"),
     ("flow: pipeline key", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "pipeline.nproc_per_node=0", "--work-dir", "{root}/work"], "pipeline.nproc_per_node"),
+    ("flow: nodes need slurm", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "pipeline.nnodes=2", "--work-dir", "{root}/work"], "pipeline.nnodes: 2 nodes need pipeline.launcher: slurm"),
     ("flow: source is a file", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={a_file}", "--work-dir", "{root}/work"], "a_file: data.source.path is not a directory"),
     ("flow: line counts differ", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_short}", "--work-dir", "{root}/work"], "corpus_short/train.de has 8999 lines"),
     ("flow: invalid UTF-8", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_latin1}", "--work-dir", "{root}/work"], "corpus_latin1/train.en: line 2: invalid UTF-8"),

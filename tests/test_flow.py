@@ -467,7 +467,7 @@ def _wait(ready, seconds: float, what: str, logs=lambda: ""):
 
 
 def test_trainer_lines_reach_the_pipeline_log_at_their_own_level(caplog):
-    from tasks.train import forward
+    from tasks.launch import forward
 
     log = logging.getLogger("test.forward")
     with caplog.at_level(logging.INFO, logger="test.forward"):
