@@ -29,6 +29,9 @@ COLUMNS = (
     ("bleu_tok_compound", "BLEU tok+compound-split (the paper's)"),
 )
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default
+# MLflow 3.17's UI takes its view (GenAI or model training) from the browser's last choice,
+# GenAI at first, before the experiment's kind: links ask for the training view.
+TRAINING_VIEW = "?workflowType=machine_learning"
 
 
 @task(name="publish", persist_result=False)
@@ -117,9 +120,9 @@ def artifact_markdown(summary: dict, experiment_id: str | None, registered_model
     version = summary["registered"].rsplit("/", 1)[-1]
     links = [
         f"- MLflow run: [{summary['run_id']}]({ui}/#/experiments/{experiment_id}/runs/"
-        f"{summary['run_id']})",
-        f"- Model: [{summary['registered']}]({ui}/#/models/{registered_model}/versions/{version})"
-        f" (alias `@best`), file `{summary['model']}`",
+        f"{summary['run_id']}{TRAINING_VIEW})",
+        f"- Model: [{summary['registered']}]({ui}/#/models/{registered_model}/versions/{version}"
+        f"{TRAINING_VIEW}) (alias `@best`), file `{summary['model']}`",
         f"- Hypotheses: `{summary['hypotheses']}`",
     ]
     if not server:
@@ -159,7 +162,7 @@ def run_url(uri: str, experiment_id: str | None, run_id: str) -> str | None:
     """A link to the run where a tracking server is known (none for a local file store)."""
     if not uri.startswith(("http://", "https://")) or experiment_id is None:
         return None
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
 
 
 def _upload(client, run_id: str, records: dict[str, dict]) -> None:
