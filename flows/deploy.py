@@ -1,14 +1,20 @@
 """Serve the `wmt14-ende` deployments declared in prefect.yaml from this process (no work
-pool or worker needed):
+pool or worker needed), or register them for the workers of a work pool:
 
     prefect server start                      # in one terminal (the team's API and UI)
     python -m flows.deploy --work-dir /data/wmt14-work
-    prefect deployment run wmt14-ende/big     # from anywhere that reaches the server
+    prefect deployment run wmt14-ende/smoke   # from anywhere that reaches the server
+
+    python -m flows.deploy --pool gpu --work-dir /data/wmt14-work   # registers, then exits
+    prefect deployment run wmt14-ende/smoke-gpu                     # a worker of `gpu` runs it
 
 prefect.yaml is the one declaration of names, parameters and schedules (cron or interval,
-as `prefect deploy` reads them); with a work pool, `PROJECT_DIR=$PWD prefect deploy --all`
-registers the same deployments for a worker. Stopping this process leaves the schedules
-active: runs that come due meanwhile wait, Late, until a server process serves them again.
+as `prefect deploy` reads them). A served deployment keeps its name (`smoke`); one for a
+work pool is named after the pool too (`smoke-gpu`), so that the two never share a
+deployment (a run of a shared name would go to whichever registered it last). Either way
+the work dir is a parameter of every run, made absolute here. Stopping a serve process
+leaves the schedules active: runs that come due meanwhile wait, Late, until a serve process
+serves them again.
 """
 
 from __future__ import annotations
@@ -117,6 +123,25 @@ def deployments(specs: dict[str, DeploymentSpec], work_dir: str, names: list[str
     ]
 
 
+def register_for_pool(specs: dict[str, dict], work_dir: str, names: list[str], pool: str):
+    """The deployments as `<name>-<pool>`, run by a worker of `pool` from this checkout
+    (its folder is the runs' working directory: relative paths in params resolve there)."""
+    work = str(Path(work_dir).resolve())
+    source = wmt14_ende.from_source(source=str(ROOT), entrypoint="flows/wmt14_ende.py:wmt14_ende")
+    return [
+        source.deploy(
+            name=f"{name}-{pool}",
+            work_pool_name=pool,
+            parameters={**specs[name]["parameters"], "work_dir": work},
+            schedules=[schedule(s, name) for s in specs[name].get("schedules") or []],
+            tags=specs[name].get("tags"),
+            description=specs[name].get("description"),
+            print_next_steps=False,
+        )
+        for name in names
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m flows.deploy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
@@ -127,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the deployments file (default: the repository's prefect.yaml)",
     )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="serve these deployments")
+    parser.add_argument(
+        "--pool",
+        metavar="POOL",
+        help="register the deployments for the workers of this work pool, as NAME-POOL, and "
+        "exit (instead of serving them from this process)",
+    )
     args = parser.parse_args(argv)  # fmt: skip
     try:
         specs = declared(args.file)
@@ -134,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(names) - set(specs))
         if unknown:
             raise DeploymentsError(f"{args.file}: no deployment {', '.join(unknown)}")
+        if args.pool:
+            try:
+                register_for_pool(specs, args.work_dir, names, args.pool)
+            except ValueError as err:  # Prefect's "Could not find work pool 'gpu'. ..."
+                raise DeploymentsError(
+                    f"{err} (prefect work-pool create {args.pool} --type process)"
+                ) from None
+            for name in names:
+                print(f"registered wmt14-ende/{name}-{args.pool} for work pool {args.pool}")
+            return 0
         served = deployments(specs, args.work_dir, names)
     except DeploymentsError as err:
         print(f"error: {err}", file=sys.stderr)

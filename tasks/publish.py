@@ -1,5 +1,7 @@
-"""The end of a run: its results on the pipeline's MLflow run, in the flow's log, and as a
-Prefect artifact, however the run was started (command line, deployment, schedule)."""
+"""The end of a run: its results on the pipeline's MLflow run (metrics, tags, a description
+with the scores, the training curve and the attention maps), in the flow's log, and as a
+Prefect artifact (a table, with links to the MLflow run and model), however the run was
+started (command line, deployment, schedule)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,19 @@ from transformer.files import MANIFEST, MODEL, SPM_MODEL, hypotheses
 # Final scores of the averaged model with beam search: the valid split as dev/*, the test
 # split as test/*. During training, valid/* is the curve of validations (greedy by default).
 ROLES = {"valid": "dev", "test": "test"}
+# The scores of a results table: (key in a split's scores, column), the last two where the
+# params ask for them.
+COLUMNS = (
+    ("bleu", "BLEU"),
+    ("bleu_lc", "BLEU lowercased"),
+    ("chrf", "chrF"),
+    ("bleu_tok_lc", "BLEU lc+tok (as published)"),
+    ("bleu_tok_compound", "BLEU tok+compound-split (the paper's)"),
+)
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default
+# MLflow 3.17's UI takes its view (GenAI or model training) from the browser's last choice,
+# GenAI at first, before the experiment's kind: links ask for the training view.
+TRAINING_VIEW = "?workflowType=machine_learning"
 
 
 @task(name="publish", persist_result=False)
@@ -63,13 +78,66 @@ def _publish(run: dict, records: dict[str, dict]) -> dict:
         "step": step,
         "scores": scores,
     }
-    text = summary_lines(summary)
-    get_run_logger().info("\n".join(text))
-    markdown = "\n".join(["# Results", "", *(f"    {line}" for line in text)])
+    client.set_tag(run_id, "mlflow.note.content", description(summary))  # the run's description
+    get_run_logger().info("\n".join(summary_lines(summary)))
     create_markdown_artifact(
-        key="wmt14-ende-results", markdown=markdown, description=f"MLflow run {run_id}"
+        key="wmt14-ende-results",
+        markdown=artifact_markdown(summary, run.get("experiment_id"), run["registered_model"]),
+        description=f"MLflow run {run_id}",
     )
     return summary
+
+
+def scores_table(scores: dict) -> list[str]:
+    """A markdown table of the averaged model's beam-search scores, a row per split."""
+    columns = [(k, label) for k, label in COLUMNS if any(k in s for s in scores.values())]
+    lines = [
+        "| split | " + " | ".join(label for _, label in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for split, s in scores.items():
+        cells = [f"{s[k]:.2f}" if k in s else "" for k, _ in columns]
+        lines.append(f"| {split} | " + " | ".join(cells) + " |")
+    test = scores["test"]
+    return [
+        *lines,
+        "",
+        f"sacreBLEU `{test['bleu_signature']}`, chrF `{test['chrf_signature']}`",
+    ]
+
+
+def description(summary: dict) -> str:
+    """The MLflow parent run's description: what a person opening the run wants first."""
+    return "\n".join([
+        f"Averaged model at step {summary['step']}, beam search:",
+        "",
+        *scores_table(summary["scores"]),
+        "",
+        f"Registered as `{summary['registered']}` (alias `@best`: the version of highest "
+        "validation BLEU). Artifacts: `curve.png` (loss, learning rate and validation BLEU "
+        "against the step), `attention/sentence-N/` (each layer's attention on the first test "
+        "sentences, a panel per head), `model/`, `hypotheses/`, `data/`, `params.yaml`; "
+        "a child run per stage.",
+    ])  # fmt: skip
+
+
+def artifact_markdown(summary: dict, experiment_id: str | None, registered_model: str) -> str:
+    """The Prefect artifact: the scores as a table, then links to the MLflow run and model
+    (on a local store, the address `mlflow ui` serves it at once started)."""
+    uri = summary["tracking_uri"]
+    server = uri.startswith(("http://", "https://"))
+    ui = uri.rstrip("/") if server else LOCAL_UI
+    version = summary["registered"].rsplit("/", 1)[-1]
+    links = [
+        f"- MLflow run: [{summary['run_id']}]({ui}/#/experiments/{experiment_id}/runs/"
+        f"{summary['run_id']}{TRAINING_VIEW})",
+        f"- Model: [{summary['registered']}]({ui}/#/models/{registered_model}/versions/{version}"
+        f"{TRAINING_VIEW}) (alias `@best`), file `{summary['model']}`",
+        f"- Hypotheses: `{summary['hypotheses']}`",
+    ]
+    if not server:
+        links.append(f"- The links need `mlflow ui --backend-store-uri {uri}` running first")
+    return "\n".join(["# Results", "", *scores_table(summary["scores"]), "", *links])
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -104,13 +172,17 @@ def run_url(uri: str, experiment_id: str | None, run_id: str) -> str | None:
     """A link to the run where a tracking server is known (none for a local file store)."""
     if not uri.startswith(("http://", "https://")) or experiment_id is None:
         return None
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
 
 
 def _upload(client, run_id: str, records: dict[str, dict]) -> None:
     """Small files every time (they say what this run used); the model, which can weigh
     gigabytes, once per run."""
     uploaded = {a.path for a in client.list_artifacts(run_id, "model")}
+    attention = Path(records["decode"]["path"]) / "attention"  # also on the decode child run
+    top = {a.path for a in client.list_artifacts(run_id)}
+    if attention.is_dir() and "attention" not in top:
+        client.log_artifacts(run_id, str(attention), "attention")
     files = (
         (Path(records["shards"]["path"]) / MANIFEST, "data"),
         (Path(records["shards"]["path"]) / SPM_MODEL, "data"),

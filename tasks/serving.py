@@ -4,7 +4,8 @@ column of a DataFrame, of raw sentences, with the decoding settings it was train
     model = mlflow.pyfunc.load_model("models:/wmt14-ende-smoke@best")
     model.predict(["The house is small."])
 
-    mlflow models serve -m models:/wmt14-ende-smoke@best --env-manager local -p 5001
+    MLFLOW_TRACKING_URI=sqlite:///work/mlflow.db mlflow models serve \
+        -m models:/wmt14-ende-smoke@best --env-manager local -p 5001
     curl -s localhost:5001/invocations -H 'Content-Type: application/json' \
         -d '{"inputs": ["The house is small."]}'
 

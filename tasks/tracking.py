@@ -34,6 +34,10 @@ from transformer.config import Params, flatten, to_dict
 PACKAGES = ("torch", "prefect", "mlflow", "sentencepiece", "sacrebleu", "datasets", "pyarrow")
 PARAMS_HASH_TAG = "params_hash"
 STAGE_TAG = "stage"
+# MLflow 3's UI opens an experiment of this kind on its training runs, not on the GenAI
+# overview (traces) it shows an experiment of no kind.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
 # The stores MLflow's client opens: a typo'd scheme would otherwise be a traceback deep in
 # MLflow's store registry, after Prefect has started.
 SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "file")
@@ -207,12 +211,15 @@ def experiment_id(client: MlflowClient, name: str, uri: str, work_dir: Path) -> 
             logging.getLogger(__name__).info("MLflow artifacts: %s is now %s", old, work_dir)
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        for key, value in EXPERIMENT_KIND.items():
+            if key not in exp.tags:  # an experiment made before the tag, or by hand
+                client.set_experiment_tag(exp.experiment_id, key, value)
         return exp.experiment_id
     # With a local SQLite store, artifacts sit beside it in the work dir; a tracking server
     # decides for itself where artifacts go (somewhere all its readers can reach).
     local = uri.startswith("sqlite:")
     artifacts = (work_dir.resolve() / ARTIFACTS).as_uri() if local else None
-    return client.create_experiment(name, artifact_location=artifacts)
+    return client.create_experiment(name, artifact_location=artifacts, tags=EXPERIMENT_KIND)
 
 
 def open_parent_run(

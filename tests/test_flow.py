@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -141,7 +142,15 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
         return {a.path for a in client.list_artifacts(run.info.run_id, path)}
 
     top = listing()
-    assert {"params.yaml", "curve.png", "data", "model", "hypotheses"} <= top
+    assert {"params.yaml", "curve.png", "attention", "data", "model", "hypotheses"} <= top
+    assert "attention/sentence-1/cross-2.png" in listing("attention/sentence-1")
+    # MLflow's UI opens the experiment on its training runs; the run says what it scored.
+    kind = client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"]
+    assert kind == "custom_model_development"
+    note = tags["mlflow.note.content"]
+    test = result["scores"]["test"]
+    assert f"| test | {test['bleu']:.2f} | {test['bleu_lc']:.2f} | {test['chrf']:.2f} |" in note
+    assert result["registered"] in note and test["bleu_signature"] in note
     assert {"data/manifest.json", "data/spm.model"} <= listing("data")
     assert "model/model.pt" in listing("model")
     assert "hypotheses/test.hyp" in listing("hypotheses")
@@ -184,13 +193,25 @@ def test_the_model_is_registered_and_served_as_an_mlflow_pyfunc(first, work, tmp
     expected = Path(result["hypotheses"]).read_text().splitlines()[:3]
     assert model.predict(sources) == expected  # the same model, the same beam search
 
+    # README's line as written, from a folder whose `work` is this work dir (the repository
+    # root after `make demo`), on a free port: its tracking URI finds the model, and no
+    # stray mlflow.db appears where it ran.
     port = free_port()
     venv = Path(sys.executable).parent  # as after `. .venv/bin/activate`: uvicorn on PATH
-    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PATH=f"{venv}:{os.environ['PATH']}")
-    mlflow_cli = str(venv / "mlflow")
-    server = _spawn([mlflow_cli, "models", "serve", "-m", "models:/wmt14-ende-smoke@best",
-                     "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
-                    env, tmp_path / "serve.log")  # fmt: skip
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines()
+                if "mlflow models serve" in line)  # fmt: skip
+    words = shlex.split(line.replace("-p 5001", f"-p {port}"))
+    assigned = dict(w.split("=", 1) for w in words[: words.index("mlflow")])
+    assert assigned == {"MLFLOW_TRACKING_URI": "sqlite:///work/mlflow.db"}, line
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(assigned, PATH=f"{venv}:{os.environ['PATH']}")
+    here = tmp_path / "checkout"
+    here.mkdir()
+    (here / "work").symlink_to(work)
+    cmd = [str(venv / "mlflow"), *words[words.index("mlflow") + 1 :]]
+    server = subprocess.Popen(cmd, cwd=here, env=env, start_new_session=True,
+                              stdout=(tmp_path / "serve.log").open("w"),
+                              stderr=subprocess.STDOUT)  # fmt: skip
     try:
         _wait(lambda: answers(f"http://127.0.0.1:{port}/ping"), 120, "mlflow models serve")
         request = urllib.request.Request(
@@ -203,6 +224,7 @@ def test_the_model_is_registered_and_served_as_an_mlflow_pyfunc(first, work, tmp
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+    assert sorted(p.name for p in here.iterdir()) == ["work"]  # no stray ./mlflow.db
 
 
 def test_a_rerun_is_served_from_prefects_cache_and_resumes_the_run(first, work):
@@ -415,7 +437,8 @@ def _served_run_completes(client, work: Path, env: dict, prefect: str, serve_log
     assert len(new) == 1 and (new.pop() / "scores.json").exists(), logs()
     results = ArtifactFilter(key=ArtifactFilterKey(any_=["wmt14-ende-results"]))
     artifact = client.read_artifacts(artifact_filter=results)
-    assert artifact and "test BLEU" in artifact[0].data, artifact
+    assert artifact and "| test |" in artifact[0].data, artifact
+    assert "?workflowType=machine_learning)" in artifact[0].data  # links to MLflow's runs view
 
 
 def _deployment(client):
