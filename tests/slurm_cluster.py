@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from conftest import free_port
+
 # KillWait: what a trainer gets between scancel's SIGTERM and the SIGKILL, a save's time.
 # MinJobAge: how long a finished job stays in slurmctld's memory, where the flow reads its
 # end (no slurmdbd here, so no sacct).
@@ -60,12 +62,6 @@ SlurmdTimeout=300
 PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 NODE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=2 State=UNKNOWN"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
