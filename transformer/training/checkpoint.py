@@ -82,12 +82,13 @@ class CheckpointManager:
         higher_is_better: bool,
         branch_point: int | None = None,
         save_every: int = 1,
+        last_step: int | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.keep_last, self.keep_best = keep_last, keep_best
         self.higher_is_better = higher_is_better
         self.branch_point = branch_point  # the state of this step is kept too
-        self.save_every = save_every
+        self.save_every, self.last_step = save_every, last_step  # what the cadence saves
         self.index: list[dict[str, Any]] = []  # kept snapshots, by step
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,7 +168,8 @@ class CheckpointManager:
         return path
 
     def on_cadence(self, step: int) -> bool:
-        return step % self.save_every == 0 or step == self.branch_point
+        """Whether an uninterrupted run saves the state of `step` too (a stop's does not)."""
+        return step % self.save_every == 0 or step in (self.branch_point, self.last_step)
 
     def load_latest(self) -> tuple[Path, dict] | None:
         """The newest readable training state, or None if there is none.

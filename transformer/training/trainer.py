@@ -130,7 +130,8 @@ class Trainer:
         self.stopping = EarlyStopping(cfg.best_metric, cfg.patience)
         self.checkpoints = CheckpointManager(
             run_dir, cfg.keep_last, cfg.keep_best, self.stopping.higher_is_better,
-            branch_point=cooldown_start(cfg.max_steps, cfg.cooldown), save_every=cfg.save_every,
+            branch_point=cooldown_start(cfg.max_steps, cfg.cooldown),
+            save_every=cfg.save_every, last_step=cfg.max_steps,
         )  # fmt: skip
         self.parts = {
             "model": self.model,
