@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from flows import deploy
+from flows import wmt14_ende as flow
 from tasks.stages import STAGES
 from transformer import config, train
 from transformer.config import AverageConfig
@@ -253,20 +255,26 @@ IN_PROCESS = [
     ("average: --out its own snapshot", average.main, ["{run}", "--last", "2", "--out", "{run}/checkpoints/model-0000004.pt"], "holds the input"),
     ("average: --out a snapshot given", average.main, ["{run}/checkpoints/model-0000002.pt", "{run}/checkpoints/model-0000004.pt", "--out", "{run}/checkpoints/model-0000002.pt"], "holds the input"),
     ("average: --out the vocabulary", average.main, ["{run}", "--last", "2", "--out", "{run}/spm.model"], "holds the input"),
+    # The flow's and the deployments' commands, up to where they stop: before Prefect starts.
+    ("deploy: cron does not parse", deploy.main, ["--file", "{deploy_cron}"], "deploy_cron.yaml: deployment x: schedules.0: Invalid cron string"),
+    ("deploy: interval not a number", deploy.main, ["--file", "{deploy_interval}"], "deploy_interval.yaml: deployment x: schedules.0.interval: Input should be a valid number"),
+    ("deploy: negative interval", deploy.main, ["--file", "{deploy_negative}"], "deploy_negative.yaml: deployment x: schedules.0.interval: Input should be greater than 0"),
+    ("deploy: schedule a list", deploy.main, ["--file", "{deploy_list}"], "deploy_list.yaml: deployment x: schedules.0: Input should be a valid dictionary"),
+    ("deploy: schedules a scalar", deploy.main, ["--file", "{deploy_scalar}"], "deploy_scalar.yaml: deployment x: schedules: Input should be a valid list"),
+    ("deploy: unknown schedule key", deploy.main, ["--file", "{deploy_unknown}"], "deploy_unknown.yaml: deployment x: schedules.0.timezon: unknown key"),
+    ("deploy: file is /dev/zero", deploy.main, ["--file", "/dev/zero"], "/dev/zero: not a regular file, not a deployments file"),
+    ("deploy: file is a FIFO", deploy.main, ["--file", "{fifo}"], "{fifo}: not a regular file, not a deployments file"),
+    ("deploy: not a list of deployments", deploy.main, ["--file", "{yaml_list}"], "yaml_list.yaml: deployments: must be a list"),
+    ("flow: params extend /dev/zero", flow.main, ["{yaml_zero}", "--work-dir", "{root}/work"], "/dev/zero: not a regular file"),
+    ("flow: negative seed", flow.main, [str(SMOKE), "train.seed=-1", "--work-dir", "{root}/work"], "train.seed: Input should be greater than or equal to 0"),
+    ("flow: bad override", flow.main, [str(SMOKE), "train.max_steps=x", "--work-dir", "{root}/work"], "train.max_steps"),
+    ("flow: pipeline key", flow.main, [str(SMOKE), "pipeline.nproc_per_node=0", "--work-dir", "{root}/work"], "pipeline.nproc_per_node"),
+    ("flow: nodes need slurm", flow.main, [str(SMOKE), "pipeline.nnodes=2", "--work-dir", "{root}/work"], "pipeline.nnodes: 2 nodes need pipeline.launcher: slurm"),
+    ("flow: override after an option", flow.main, [str(SMOKE), "--work-dir", "{root}/work", "train.max_steps=x"], "train.max_steps: Input should be"),
+    ("deploy: unknown deployment", deploy.main, ["--only", "tiny"], "no deployment tiny"),
 ]  # fmt: skip
 
 PROCESSES = [
-    ("deploy: cron does not parse", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_cron}"], "deploy_cron.yaml: deployment x: schedules.0: Invalid cron string"),
-    ("deploy: interval not a number", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_interval}"], "deploy_interval.yaml: deployment x: schedules.0.interval: Input should be a valid number"),
-    ("deploy: negative interval", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_negative}"], "deploy_negative.yaml: deployment x: schedules.0.interval: Input should be greater than 0"),
-    ("deploy: schedule a list", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_list}"], "deploy_list.yaml: deployment x: schedules.0: Input should be a valid dictionary"),
-    ("deploy: schedules a scalar", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_scalar}"], "deploy_scalar.yaml: deployment x: schedules: Input should be a valid list"),
-    ("deploy: unknown schedule key", [sys.executable, "-m", "flows.deploy", "--file", "{deploy_unknown}"], "deploy_unknown.yaml: deployment x: schedules.0.timezon: unknown key"),
-    ("deploy: file is /dev/zero", [sys.executable, "-m", "flows.deploy", "--file", "/dev/zero"], "/dev/zero: not a regular file, not a deployments file"),
-    ("deploy: file is a FIFO", [sys.executable, "-m", "flows.deploy", "--file", "{fifo}"], "{fifo}: not a regular file, not a deployments file"),
-    ("deploy: not a list of deployments", [sys.executable, "-m", "flows.deploy", "--file", "{yaml_list}"], "yaml_list.yaml: deployments: must be a list"),
-    ("flow: params extend /dev/zero", [sys.executable, "-m", "flows.wmt14_ende", "{yaml_zero}", "--work-dir", "{root}/work"], "/dev/zero: not a regular file"),
-    ("flow: negative seed", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "train.seed=-1", "--work-dir", "{root}/work"], "train.seed: Input should be greater than or equal to 0"),
     ("flow: corrupt parquet source", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_parquet}", "data.source.format=parquet", "--work-dir", "{root}/work"], "corpus_parquet/train.parquet: not a readable parquet file"),
     ("flow: a folder where a source file should be", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_folder}", "--work-dir", "{root}/work"], "corpus_folder/train.en: a folder, where a data file should be"),
     ("flow: a source line of 1.2 MB", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_long}", "--work-dir", "{root}/work"], "corpus_long/train.en: line 2: longer than 1,048,576 bytes"),
@@ -274,18 +282,13 @@ PROCESSES = [
     ("python -m transformer.average", [sys.executable, "-m", "transformer.average", "{run}", "--last", "0", "--out", "{root}/a.pt"], "--last"),
     ("python -m transformer.translate", [sys.executable, "-m", "transformer.translate", "--model", "{not_a_model}"], "notes.txt"),
     ("flow: no params file", [sys.executable, "-m", "flows.wmt14_ende", "{root}/none.yaml", "--work-dir", "{root}/work"], "none.yaml: no such params file"),
-    ("flow: bad override", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "train.max_steps=x", "--work-dir", "{root}/work"], "train.max_steps"),
-    ("flow: pipeline key", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "pipeline.nproc_per_node=0", "--work-dir", "{root}/work"], "pipeline.nproc_per_node"),
-    ("flow: nodes need slurm", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "pipeline.nnodes=2", "--work-dir", "{root}/work"], "pipeline.nnodes: 2 nodes need pipeline.launcher: slurm"),
     ("flow: source is a file", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={a_file}", "--work-dir", "{root}/work"], "a_file: data.source.path is not a directory"),
     ("flow: line counts differ", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_short}", "--work-dir", "{root}/work"], "corpus_short/train.de has 8999 lines"),
     ("flow: invalid UTF-8", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_latin1}", "--work-dir", "{root}/work"], "corpus_latin1/train.en: line 2: invalid UTF-8"),
     ("flow: truncated gzip", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_gz}", "--work-dir", "{root}/work"], "train.en.gz: truncated or corrupt gzip"),
     ("flow: no training text", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_empty}", "--work-dir", "{root}/work"], "corpus_empty (split 'train'): all 2 training pairs were dropped"),
     ("flow: missing split", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_no_test}", "--work-dir", "{root}/work"], "corpus_no_test/test.de: no such file"),
-    ("flow: override after an option", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "--work-dir", "{root}/work", "train.max_steps=x"], "train.max_steps: Input should be"),
     ("flow: work dir is a file", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "--work-dir", "{a_file}"], "a_file"),
-    ("deploy: unknown deployment", [sys.executable, "-m", "flows.deploy", "--only", "tiny"], "no deployment tiny"),
     ("deploy: no such file", [sys.executable, "-m", "flows.deploy", "--file", "{root}/none.yaml"], "none.yaml"),
 ]  # fmt: skip
 
