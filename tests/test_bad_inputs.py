@@ -327,7 +327,7 @@ def test_library_commands(name, command, args, culprit, env, capsys):  # fmt: sk
 
 # Each of these runs the flow up to a data stage (~12 s): the slow suite takes them.
 SLOW_PROCESSES = {"flow: corrupt parquet source", "flow: a folder where a source file should be",
-                  "flow: a source line of 1.2 MB",
+                  "flow: a source line of 1.2 MB", "flow: invalid UTF-8", "flow: missing split",
                   "flow: source is a file", "flow: line counts differ", "flow: truncated gzip",
                   "flow: no training text", "flow: work dir is a file"}  # fmt: skip
 

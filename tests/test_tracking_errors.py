@@ -93,8 +93,8 @@ CASES = [
     pytest.param("no tracking server, from the environment", [], {"MLFLOW_TRACKING_URI": DEAD},
                  "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers",
                  marks=SLOW),
-    ("a registered model name with a slash", ["pipeline.registered_model=team/model"], {},
-     "pipeline.registered_model: Invalid model name 'team/model'"),
+    pytest.param("a registered model name with a slash", ["pipeline.registered_model=team/model"],
+                 {}, "pipeline.registered_model: Invalid model name 'team/model'", marks=SLOW),
     ("no Prefect API", [], {"PREFECT_API_URL": DEAD + "/api"},
      "PREFECT_API_URL http://***@127.0.0.1:9/api: no Prefect API answers"),
 ]  # fmt: skip
