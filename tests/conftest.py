@@ -234,3 +234,19 @@ def answers(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def run_dir(work: Path) -> Path:
+    """The training run folder of a flow's work dir (there is one per params)."""
+    return next(p for p in (work / "train").iterdir() if not p.name.startswith("."))
+
+
+def wait_for(ready, seconds: float, proc, what: str) -> None:
+    """Poll `ready()` until true, failing if the flow `proc` ends first or time runs out."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert proc.poll() is None, f"the flow ended before {what}: {proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {seconds} s"
+        time.sleep(0.2)

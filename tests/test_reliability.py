@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_FLOW
+from conftest import TINY_FLOW, run_dir, wait_for
 from mlflow.tracking import MlflowClient
 
 from tasks.stages import STAGES
@@ -41,18 +41,6 @@ def flow(work: Path, *extra: str, **popen) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, timeout: float = 900) -> tuple[int, str]:
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
-
-
-def run_dir(work: Path) -> Path:
-    return next(p for p in (work / "train").iterdir() if not p.name.startswith("."))
-
-
-def wait_for(ready, seconds: float, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not ready():
-        assert proc.poll() is None, f"the flow ended before {what}: {proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} after {seconds} s"
-        time.sleep(0.2)
 
 
 def parent_runs(work: Path) -> list:

@@ -15,12 +15,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY_FLOW, assert_same_training
+from conftest import TINY_FLOW, assert_same_training, run_dir, wait_for
 from mlflow.tracking import MlflowClient
 from slurm_cluster import require, slurm_cluster
 
@@ -62,10 +61,6 @@ def flow(cluster: dict, work: Path, *extra: str) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, timeout: float = 900) -> tuple[int, str]:
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
-
-
-def run_dir(work: Path) -> Path:
-    return next(p for p in (work / "train").iterdir() if not p.name.startswith("."))
 
 
 def final(run: Path) -> dict:
@@ -171,14 +166,6 @@ def test_a_trainer_error_in_a_job_is_its_one_line(tmp_path):
         slurm_launcher.raise_for_end("7", "FAILED", 2, False, ["x", "error: bad"], tmp_path)
     assert err.value.user_error
     slurm_launcher.raise_for_end("7", "COMPLETED", 0, False, [], tmp_path)  # done: no error
-
-
-def wait_for(ready, seconds: float, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not ready():
-        assert proc.poll() is None, f"the flow ended before {what}: {proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} after {seconds} s"
-        time.sleep(0.5)
 
 
 def saved_step(work: Path) -> int:
