@@ -17,8 +17,10 @@ needs_onednn = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def onednn(monkeypatch):
-    """The oneDNN path on any CPU that can run it, used or not on this one (AVX-512)."""
+    """The oneDNN path on any CPU that can run it, used or not on this one (AVX-512), for
+    products of any number of rows."""
     monkeypatch.setattr(kernels, "ONEDNN", torch.backends.mkldnn.is_available())
+    monkeypatch.setattr(kernels, "ONEDNN_MIN_ROWS", 0)
 
 
 @needs_onednn

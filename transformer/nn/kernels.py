@@ -10,8 +10,11 @@ oneDNN's linear (the op torch.compile's CPU backend calls) has no autograd formu
 `_OneDNNLinear` gives it one in two more oneDNN products. On a CPU without AVX-512 both
 libraries run AVX2 kernels: there oneDNN is no faster on large products and up to 2.5x
 slower on the few rows of a decoding step (it reorders the weights at each call; AMD EPYC
-family 25 model 1), so it is not used. Anywhere else (GPU, bf16, autocast, torch.compile
-tracing, a torch without oneDNN) it is F.linear.
+family 25 model 1), so it is not used. Products of fewer than ONEDNN_MIN_ROWS rows (a
+decoding step's hypotheses) stay on MKL too: torch's oneDNN call costs ~20 us more than
+MKL's before any arithmetic (it describes the operands and looks its primitive up at each
+call), more than a product of a few rows takes. Anywhere else (GPU, bf16, autocast,
+torch.compile tracing, a torch without oneDNN) it is F.linear.
 
 Dropout (`Dropout`): torch's CPU dropout draws its mask with bernoulli_, ~4x slower than a
 uniform draw and a comparison; on a CPU the mask is drawn so (same distribution, same
@@ -47,6 +50,8 @@ ONEDNN = (
 # A torch without get_capabilities (pyproject allows 2.5 on) counts as no such CPU.
 _capabilities = getattr(torch.cpu, "get_capabilities", dict)()
 CPU_BF16: str | None = next((n for n in ("amx_bf16", "avx512_bf16") if _capabilities.get(n)), None)
+# Below this many rows oneDNN's per-call cost (see the docstring) outweighs its arithmetic.
+ONEDNN_MIN_ROWS = 256
 FEW_QUERIES = 8  # a beam of up to 8 hypotheses at one step, as decode.py's steps query
 # False runs a CPU the way a GPU is run (F.linear, F.dropout, SDPA, the loss's logits in
 # the product's dtype): tests count the GPU's ops on a CPU so.
@@ -135,6 +140,7 @@ def _onednn(x: Tensor, weight: Tensor) -> bool:
     return (
         ONEDNN
         and cpu_path(x)
+        and x.numel() >= ONEDNN_MIN_ROWS * x.size(-1)
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
