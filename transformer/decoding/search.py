@@ -424,7 +424,7 @@ def _static_by_default(device: torch.device) -> bool:
     WMT-like sentences, H200: 1391-1418 against 477-547). Shrinking on a CPU, where the
     host's ops cost little beside the arithmetic, which shrinks as sentences leave and as
     KVCache drops the slots no hypothesis sees (the static step attends over all written
-    ones): 1.09x the static search's sentences/s (smoke model, 1 thread; decode.py)."""
+    ones): `python -m benchmarks.decode --threads 1 --modes beam,beam-static` compares them."""
     return device.type == "cuda"
 
 
