@@ -66,6 +66,18 @@ def test_linear_takes_strided_weights_as_the_loss_passes_them():
     torch.testing.assert_close(linear(h, w[3:7]), h @ w[3:7].t())
 
 
+@needs_onednn
+def test_products_of_few_rows_stay_on_mkl(monkeypatch):
+    """A decoding step's few rows: oneDNN's per-call cost outweighs its arithmetic there."""
+    monkeypatch.setattr(kernels, "ONEDNN_MIN_ROWS", 256)
+    w = torch.randn(4, 7, requires_grad=True)
+    path = lambda rows: type(linear(torch.randn(rows, 7), w).grad_fn).__name__
+    assert path(255) != "_OneDNNLinearBackward"
+    assert path(256) == "_OneDNNLinearBackward"
+    # rows are all but the last dimension: (4, 64, 7) is 256 of them
+    assert type(linear(torch.randn(4, 64, 7), w).grad_fn).__name__ == "_OneDNNLinearBackward"
+
+
 def test_linear_keeps_f_linear_where_onednn_does_not_apply():
     x, w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True), torch.randn(2, 4)
     y = linear(x, w.double())  # fp64: not oneDNN's
