@@ -33,6 +33,7 @@ def row_independent_products(monkeypatch):
     and a search whose batch shrinks past that size rounds the rest of its steps apart."""
     monkeypatch.setattr(kernels, "ONEDNN_MIN_ROWS", 0)
 
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
