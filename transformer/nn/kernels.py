@@ -22,8 +22,10 @@ generator). On a GPU it is F.dropout's fused kernel, native_dropout, called dire
 
 Attention (`attention`): F.scaled_dot_product_attention, except for a decoding step on a CPU
 (a few queries, no gradient), where SDPA's flash kernel, tiled for long blocks of queries,
-is ~1.5x slower than one product, a softmax and a second product; and under a CPU's bf16
-autocast, where it runs in fp32 (`attention`'s comment says why).
+is ~1.5x slower than one product, a softmax and a second product, and those are slower
+than cpu_attention's C kernel, which runs there (its docstring says where it declines and
+what runs then: the two products); and under a CPU's bf16 autocast, where it runs in fp32
+(`attention`'s comment says why).
 
 bf16 on a CPU (`CPU_BF16`): where the CPU has bf16 dot-product instructions, the trainer's
 `train.precision: bf16` runs its products in bf16 autocast there too, as on a GPU: a training
@@ -39,6 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from transformer.nn import cpu_attention
 
 # oneDNN for fp32 products on a CPU with AVX-512 (see the module docstring).
 ONEDNN = (
@@ -118,6 +122,9 @@ def attention(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
         )
+    if (out := cpu_attention.attend(q, k, v, mask)) is not None:
+        return out
+    # Where the C kernel is not built or declines: two batched products around a softmax.
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (..., L, S)
     # Every row keeps a key: its own position, or a sentence's EOS. An additive mask makes
     # this 1.35-1.55x faster than masked_fill_ of a boolean one, both broadcast over heads

@@ -1,0 +1,162 @@
+"""A decoding step's attention on a CPU in one C loop nest (cpu_attention.c says why and
+how): `attend`, which kernels.attention calls for a step's few queries.
+
+The C source is compiled at first use, for this machine (`-march=native`), into the user's
+cache (`$XDG_CACHE_HOME/transformer-mt/`, else `~/.cache/transformer-mt/`), under a name
+that hashes the source, the compiler, its flags and the CPU, so that a changed kernel, a
+new compiler or another machine sharing the home directory builds its own; a build is
+written under a temporary name and renamed into place, so that processes building at once
+never load half a file. It links the OpenMP runtime that torch already loaded (GCC's
+libgomp: one pool of threads for torch's ops and these), or builds without OpenMP where the
+compiler has none, and then runs only with one thread. Without a C compiler, or where the
+build fails, `attend` declines (one warning says why) and kernels.attention keeps its two
+batched products: the same results to rounding, slower.
+
+`attend` declines (returns None) what it was not built for: other dtypes, more than
+MAX_QUERIES queries or MAX_HEAD dimensions per head, a last dimension that is not contiguous,
+a mask broadcast along the keys.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+MAX_QUERIES, MAX_HEAD, MAX_KEYS = 8, 128, 1 << 14  # as the C source's MAXM, MAXD; stack room
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared"]
+
+_library: ctypes.CDLL | None = None
+_parallel = False  # built with OpenMP
+_tried = False
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
+    """softmax(q k^T / sqrt(d_k) + mask) v for q (B, h, M, d_k), k, v (B, h, L, d_k) and a
+    mask broadcast to (B, h, M, L), additive or boolean (True: may attend; the encoder's,
+    where a batch has a few source tokens); None where the kernel does not take these
+    inputs (see the module docstring) or could not be built."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, float("-inf"))
+    if not _takes(q, k, v, mask):
+        return None
+    lib, threads = library(), torch.get_num_threads()
+    if lib is None or (threads > 1 and not _parallel):
+        return None
+    (b, h, m, d), n = q.shape, k.size(-2)
+    out = q.new_empty(b, h, m, d)
+    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3]]
+    if mask is not None:
+        mask = mask.expand(b, h, m, n)
+        strides += mask.stride()
+    else:
+        strides += [0] * 4
+    lib.attend(
+        b, h, m, n, d, d**-0.5, threads,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        None if mask is None else mask.data_ptr(), out.data_ptr(),
+        (ctypes.c_int64 * 13)(*strides),
+    )  # fmt: skip
+    return out
+
+
+def _takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    n, tensors = k.size(-2), (q, k, v) if mask is None else (q, k, v, mask)
+    return (
+        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+        and all(t.stride(-1) == 1 or t.size(-1) == 1 for t in tensors)  # rows contiguous
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.shape[:2] == k.shape[:2]
+        and k.shape == v.shape
+        and q.size(-1) == k.size(-1) <= MAX_HEAD
+        and q.size(-2) <= MAX_QUERIES
+        and 0 < n <= MAX_KEYS
+        and (mask is None or (mask.dim() <= 4 and mask.size(-1) == n))  # not broadcast along keys
+    )
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, building it on the first call; None if it cannot be built."""
+    global _library, _parallel, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _library, _parallel = _load()
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("decoding attention: torch's batched products (no C kernel: %s)", e)
+    return _library
+
+
+def describe() -> str:
+    """One line for a log: what runs a decoding step's attention on this CPU."""
+    if library() is None:
+        return "decoding attention: torch's batched products (the C kernel could not be built)"
+    threads = "OpenMP threads" if _parallel else "one thread only"
+    return f"decoding attention: C kernel (transformer/nn/cpu_attention.c, {threads})"
+
+
+def _load() -> tuple[ctypes.CDLL, bool]:
+    cc = os.environ.get("CC", "cc")
+    for openmp in (["-fopenmp"], []):
+        try:
+            path = _build(cc, FLAGS + openmp)
+        except subprocess.CalledProcessError as e:
+            error = e
+            continue
+        lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.attend.argtypes = [i64] * 5 + [ctypes.c_float, ctypes.c_int] + [ptr] * 6
+        lib.attend.restype = None
+        return lib, bool(openmp)
+    lines = (error.stderr or "").splitlines()
+    first = next((line for line in lines if "error" in line), f"exit status {error.returncode}")
+    raise OSError(f"{cc} failed: {first.strip()}")
+
+
+def _build(cc: str, flags: list[str]) -> Path:
+    """The shared library for these flags, compiled unless it is in the cache already."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.stdout.encode(), " ".join(flags).encode()):
+        key.update(part)
+    key.update(_cpu().encode())
+    path = _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".so")
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, str(SOURCE), "-o", tmp]
+        subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's model and features."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        info = ""
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join([platform.machine(), platform.processor(), *lines])
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "transformer-mt"
