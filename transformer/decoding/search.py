@@ -120,7 +120,7 @@ class _Decoder:
         if self.caches[0] is None:
             tgt = self.prefix = tgt if self.prefix is None else torch.cat([self.prefix, tgt], 1)
         lprobs = [
-            F.log_softmax(_fp32(m.decode(tgt, memory, self.pad, cache)[:, -1]), dim=-1)
+            _log_softmax_(_fp32(m.decode(tgt, memory, self.pad, cache)[:, -1]))
             for m, memory, cache in zip(self.models, self.memory, self.caches, strict=True)
         ]  # (R, V) each
         if len(lprobs) == 1:
@@ -154,6 +154,15 @@ class _Decoder:
         if shrink is not None:
             self.memory = [shrink.apply(memory) for memory in self.memory]
             self.pad = shrink.apply(self.pad)
+
+
+def _log_softmax_(logits: Tensor) -> Tensor:
+    """log_softmax over the vocabulary, in place where the logits are one block: a step's
+    (R, V) logits are the largest tensor it makes, and a new one of their size is fresh
+    memory the CPU faults in page by page."""
+    if not logits.is_contiguous():
+        return F.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1, out=logits)
 
 
 def _fp32(logits: Tensor) -> Tensor:
@@ -614,7 +623,7 @@ def _expand(scores: Tensor, lprobs: Tensor, k: int) -> tuple[Tensor, Tensor, Ten
     and their new token.
     """
     (n, beams), vocab = scores.shape, lprobs.size(-1)
-    cand = scores.unsqueeze(-1) + lprobs.view(n, beams, vocab)  # (N, beams, V)
+    cand = lprobs.view(n, beams, vocab).add_(scores.unsqueeze(-1))  # (N, beams, V), in place
     top, idx = cand.view(n, -1).topk(min(2 * k, beams * vocab), dim=1)  # (N, 2k), best first
     return top, idx // vocab, idx % vocab
 
