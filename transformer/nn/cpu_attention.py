@@ -47,21 +47,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     mask broadcast to (B, h, M, L), additive or boolean (True: may attend; the encoder's,
     where a batch has a few source tokens); None where the kernel does not take these
     inputs (see the module docstring) or could not be built."""
-    if mask is not None and mask.dtype == torch.bool:
-        mask = torch.where(mask, 0.0, float("-inf"))
-    if not _takes(q, k, v, mask):
-        return None
     lib, threads = library(), torch.get_num_threads()
-    if lib is None or (threads > 1 and not _parallel):
+    if lib is None or (threads > 1 and not _parallel) or not _takes(q, k, v, mask):
         return None
-    (b, h, m, d), n = q.shape, k.size(-2)
-    out = q.new_empty(b, h, m, d)
-    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3]]
+    (b, h, m, d), n = q.shape, k.size(2)
+    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0]
     if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.where(mask, 0.0, float("-inf"))
         mask = mask.expand(b, h, m, n)
-        strides += mask.stride()
-    else:
-        strides += [0] * 4
+        strides[9:] = mask.stride()
+    out = q.new_empty(b, h, m, d)
     lib.attend(
         b, h, m, n, d, d**-0.5, threads,
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -72,17 +68,22 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
 
 
 def _takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    n, tensors = k.size(-2), (q, k, v) if mask is None else (q, k, v, mask)
-    return (
-        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-        and all(t.stride(-1) == 1 or t.size(-1) == 1 for t in tensors)  # rows contiguous
-        and q.dim() == k.dim() == v.dim() == 4
-        and q.shape[:2] == k.shape[:2]
-        and k.shape == v.shape
-        and q.size(-1) == k.size(-1) <= MAX_HEAD
-        and q.size(-2) <= MAX_QUERIES
-        and 0 < n <= MAX_KEYS
-        and (mask is None or (mask.dim() <= 4 and mask.size(-1) == n))  # not broadcast along keys
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
+        return False
+    (m, d), (n, d_k) = q.shape[2:], k.shape[2:]
+    if not (d == d_k <= MAX_HEAD and m <= MAX_QUERIES and 0 < n <= MAX_KEYS):
+        return False
+    f32 = torch.float32
+    if not (q.dtype == k.dtype == v.dtype == f32 and q.device.type == k.device.type == "cpu"):
+        return False
+    if d > 1 and not (q.stride(3) == k.stride(3) == v.stride(3) == 1):  # rows contiguous
+        return False
+    return mask is None or (
+        mask.dtype in (f32, torch.bool)
+        and mask.device.type == "cpu"
+        and mask.dim() <= 4
+        and mask.size(-1) == n  # not broadcast along the keys
+        and (n == 1 or mask.stride(-1) == 1)
     )
 
 
