@@ -126,9 +126,10 @@ def test_without_a_compiler_attention_falls_back_with_one_warning(
         first = kernels.attention(q, k, v, mask)
         kernels.attention(q, k, v, mask)
     assert cpu_attention.library() is None
+    cc = fresh / "no-such-compiler"
     assert [r.getMessage() for r in caplog.records] == [
-        f"decoding attention: torch's batched products (no C kernel: [Errno 2] No such file "
-        f"or directory: '{fresh / 'no-such-compiler'}')"
+        f"decoding attention: torch's batched products (no C kernel: {cc} failed: [Errno 2] "
+        f"No such file or directory: '{cc}')"
     ]
     assert "could not be built" in cpu_attention.describe()
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -176,3 +177,26 @@ def test_beam_search_runs_the_kernel_at_every_step(monkeypatch):
     monkeypatch.setattr(cpu_attention, "attend", spy)
     beam_search(model, batch([5, 6, 7], [8, 9]), 4, 0.6, 1.0, 5, static=False)
     assert calls and all(out is not None for out in calls)
+
+
+def test_an_openmp_build_that_does_not_load_gives_way_to_one_without(fresh, monkeypatch):
+    """Clang with -fopenmp may build a library that needs a runtime nothing loaded (libomp):
+    then the kernel is built without OpenMP and runs with one thread only."""
+    build, junk = cpu_attention._build, fresh.parent / "not-a-library.so"
+    junk.write_text("")
+
+    def build_or_junk(cc, flags):
+        return junk if "-fopenmp" in flags else build(cc, flags)
+
+    monkeypatch.setattr(cpu_attention, "_build", build_or_junk)
+    assert cpu_attention.library() is not None and not cpu_attention._parallel
+    assert "one thread only" in cpu_attention.describe()
+    q, k, v = inputs()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cpu_attention.attend(q, k, v, None) is not None
+        torch.set_num_threads(2)
+        assert cpu_attention.attend(q, k, v, None) is None  # torch's products, in parallel
+    finally:
+        torch.set_num_threads(threads)

@@ -1,6 +1,6 @@
 /* Attention of a decoding step on a CPU: a few queries per (sentence, head) against that
  * sentence's cached keys and values, softmax(q k^T / sqrt(d_k) + mask) v, in one pass.
- * Built and loaded by cpu_attention.py (which says when it runs); GCC or Clang vector
+ * Built and loaded by cpu_attention.py (which says when it runs); GCC's and Clang's vector
  * extensions, compiled for the machine it runs on.
  *
  * Why not two batched products (torch's bmm): a step multiplies thousands of tiny matrices
@@ -43,27 +43,30 @@ static inline void store(float *p, v16 x, int64_t n) {
     else memcpy(p, &x, (size_t)n * sizeof(float));
 }
 
+/* Lanes of a and b (0-15: a's, 16-31: b's), as GCC and Clang each spell it */
+#ifdef __clang__
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
+/* Pairs of lanes added: the even pairs of a, the odd ones of b, then the same for blocks
+ * of 2, 4 and 8 lanes (reduce16) */
+#define FOLD1(a, b) (SHUFFLE(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) + \
+                     SHUFFLE(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#define FOLD2(a, b) (SHUFFLE(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) + \
+                     SHUFFLE(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+#define FOLD4(a, b) (SHUFFLE(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) + \
+                     SHUFFLE(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+#define FOLD8(a, b) (SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) + \
+                     SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+
 /* r[j] = the sum of p[j]'s lanes, for 16 vectors at once, by one tree for every j */
 static inline v16 reduce16(const v16 *p) {
-    static const i16 e1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    static const i16 o1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    static const i16 e2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    static const i16 o2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    static const i16 e3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    static const i16 o3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-    static const i16 e4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    static const i16 o4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     v16 a[8], b[4], c[2];
-    for (int j = 0; j < 8; j++)
-        a[j] = __builtin_shuffle(p[2 * j], p[2 * j + 1], e1) +
-               __builtin_shuffle(p[2 * j], p[2 * j + 1], o1);
-    for (int j = 0; j < 4; j++)
-        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], e2) +
-               __builtin_shuffle(a[2 * j], a[2 * j + 1], o2);
-    for (int j = 0; j < 2; j++)
-        c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], e3) +
-               __builtin_shuffle(b[2 * j], b[2 * j + 1], o3);
-    return __builtin_shuffle(c[0], c[1], e4) + __builtin_shuffle(c[0], c[1], o4);
+    for (int j = 0; j < 8; j++) a[j] = FOLD1(p[2 * j], p[2 * j + 1]);
+    for (int j = 0; j < 4; j++) b[j] = FOLD2(a[2 * j], a[2 * j + 1]);
+    for (int j = 0; j < 2; j++) c[j] = FOLD4(b[2 * j], b[2 * j + 1]);
+    return FOLD8(c[0], c[1]);
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum): 2^n * poly(r), x = n ln2 + r; 0 below

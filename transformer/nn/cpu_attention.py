@@ -108,21 +108,24 @@ def describe() -> str:
 
 
 def _load() -> tuple[ctypes.CDLL, bool]:
+    """The library with OpenMP, else without: a compiler may have no OpenMP, or one whose
+    runtime is not linked in (Clang's libomp: the load then fails on its symbols)."""
     cc = os.environ.get("CC", "cc")
     for openmp in (["-fopenmp"], []):
         try:
-            path = _build(cc, FLAGS + openmp)
+            lib = ctypes.CDLL(str(_build(cc, FLAGS + openmp)))
         except subprocess.CalledProcessError as e:
-            error = e
+            lines = (e.stderr or "").splitlines()
+            error = next((line for line in lines if "error" in line), f"exit {e.returncode}")
             continue
-        lib = ctypes.CDLL(str(path))
+        except OSError as e:  # not loadable
+            error = str(e)
+            continue
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.attend.argtypes = [i64] * 5 + [ctypes.c_float, ctypes.c_int] + [ptr] * 6
         lib.attend.restype = None
         return lib, bool(openmp)
-    lines = (error.stderr or "").splitlines()
-    first = next((line for line in lines if "error" in line), f"exit status {error.returncode}")
-    raise OSError(f"{cc} failed: {first.strip()}")
+    raise OSError(f"{cc} failed: {error.strip()}")
 
 
 def _build(cc: str, flags: list[str]) -> Path:
