@@ -105,8 +105,10 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(relu_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        # Out of place: in place on the product's output would make autograd copy it back.
-        return self.w2(self.dropout(F.relu(self.w1(x))))  # -> (B, T, D)
+        # Out of place where autograd records (in place on the product's output would make
+        # it copy the output back); in place when decoding, one (B, T, d_ff) tensor fewer.
+        h = F.relu(self.w1(x), inplace=not torch.is_grad_enabled())
+        return self.w2(self.dropout(h))  # -> (B, T, D)
 
 
 class Residual(nn.Module):
