@@ -8,7 +8,8 @@ new compiler or another machine sharing the home directory builds its own; a bui
 written under a temporary name and renamed into place, so that processes building at once
 never load half a file. It links the OpenMP runtime that torch already loaded (GCC's
 libgomp: one pool of threads for torch's ops and these), or builds without OpenMP where the
-compiler has none, and then runs only with one thread. Without a C compiler, or where the
+compiler has none or its OpenMP build does not load (Clang without libomp), and then runs
+only with one thread. Without a C compiler, or where the
 build fails, `attend` declines (one warning says why) and kernels.attention keeps its two
 batched products: the same results to rounding, slower.
 
@@ -53,8 +54,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     (b, h, m, d), n = q.shape, k.size(2)
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0]
     if mask is not None:
-        if mask.dtype == torch.bool:
-            mask = torch.where(mask, 0.0, float("-inf"))
+        if mask.dtype == torch.bool:  # additive
+            mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
         mask = mask.expand(b, h, m, n)
         strides[9:] = mask.stride()
     out = q.new_empty(b, h, m, d)
