@@ -158,8 +158,8 @@ class _Decoder:
 
 def _log_softmax_(logits: Tensor) -> Tensor:
     """log_softmax over the vocabulary, in place where the logits are one block: a step's
-    (R, V) logits are the largest tensor it makes, and a new one of their size is fresh
-    memory the CPU faults in page by page."""
+    (R, V) logits are the largest tensor it makes, and on a CPU writing a new one costs
+    more than the pass itself."""
     if not logits.is_contiguous():
         return F.log_softmax(logits, dim=-1)
     return torch.log_softmax(logits, dim=-1, out=logits)
@@ -620,7 +620,7 @@ def _expand(scores: Tensor, lprobs: Tensor, k: int) -> tuple[Tensor, Tensor, Ten
 
     Each beam has one EOS extension, so the best 2k hold at least k that are not EOS.
     Returns their sum of log p, their parent's row among its sentence's rows (its beam),
-    and their new token.
+    and their new token. `lprobs` is overwritten (with the extensions' sums).
     """
     (n, beams), vocab = scores.shape, lprobs.size(-1)
     cand = lprobs.view(n, beams, vocab).add_(scores.unsqueeze(-1))  # (N, beams, V), in place

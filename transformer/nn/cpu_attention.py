@@ -9,9 +9,9 @@ written under a temporary name and renamed into place, so that processes buildin
 never load half a file. It links the OpenMP runtime that torch already loaded (GCC's
 libgomp: one pool of threads for torch's ops and these), or builds without OpenMP where the
 compiler has none or its OpenMP build does not load (Clang without libomp), and then runs
-only with one thread. Without a C compiler, or where the
-build fails, `attend` declines (one warning says why) and kernels.attention keeps its two
-batched products: the same results to rounding, slower.
+only with one thread. Without a C compiler, or where the build fails, `attend` declines
+(one warning says why) and kernels.attention keeps its two batched products: the same
+results to rounding, slower.
 
 `attend` declines (returns None) what it was not built for: other dtypes, more than
 MAX_QUERIES queries or MAX_HEAD dimensions per head, a last dimension that is not contiguous,
@@ -84,7 +84,7 @@ def _takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
         and mask.device.type == "cpu"
         and mask.dim() <= 4
         and mask.size(-1) == n  # not broadcast along the keys
-        and (n == 1 or mask.stride(-1) == 1)
+        and (mask.dtype == torch.bool or n == 1 or mask.stride(-1) == 1)  # bool: converted
     )
 
 
