@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformer.config import DecodeConfig, load_params
 from transformer.decoding.search import beam_search, greedy_search
 from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
-from transformer.nn import cpu_attention
+from transformer.nn import cpu_decoding
 from transformer.nn.model import Transformer
 from transformer.tokens import EOS, PAD
 
@@ -399,7 +399,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     if args.device == "cpu":
-        print(cpu_attention.describe())
+        print(cpu_decoding.describe())
     if args.model:
         bench_model(args.model, args)
         return

@@ -57,7 +57,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer.nn import cpu_decoding
 from transformer.nn.attention import attention_context
+from transformer.nn.kernels import cpu_path
 from transformer.nn.kv_cache import Shrink, StaticKVCache
 from transformer.tokens import BOS, EOS, PAD
 
@@ -620,12 +622,22 @@ def _expand(scores: Tensor, lprobs: Tensor, k: int) -> tuple[Tensor, Tensor, Ten
 
     Each beam has one EOS extension, so the best 2k hold at least k that are not EOS.
     Returns their sum of log p, their parent's row among its sentence's rows (its beam),
-    and their new token. `lprobs` is overwritten (with the extensions' sums).
+    and their new token. `lprobs` may be overwritten (with the extensions' sums). On a CPU
+    one pass in C (cpu_decoding.best_extensions), torch's add and topk elsewhere.
     """
     (n, beams), vocab = scores.shape, lprobs.size(-1)
-    cand = lprobs.view(n, beams, vocab).add_(scores.unsqueeze(-1))  # (N, beams, V), in place
-    top, idx = cand.view(n, -1).topk(min(2 * k, beams * vocab), dim=1)  # (N, 2k), best first
+    width = min(2 * k, beams * vocab)
+    best = cpu_decoding.best_extensions(lprobs, scores, width) if _in_c(lprobs) else None
+    if best is None:
+        cand = lprobs.view(n, beams, vocab).add_(scores.unsqueeze(-1))  # (N, beams, V), in place
+        best = cand.view(n, -1).topk(width, dim=1)  # (N, 2k), best first
+    top, idx = best
     return top, idx // vocab, idx % vocab
+
+
+def _in_c(t: Tensor) -> bool:
+    # Compiled steps keep torch's ops: a call through ctypes cannot be traced.
+    return cpu_path(t) and not torch.compiler.is_compiling()
 
 
 def _live(eos: Tensor, k: int, ranks: dict[int, tuple[Tensor, Tensor]]) -> Tensor:

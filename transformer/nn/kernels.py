@@ -23,7 +23,7 @@ generator). On a GPU it is F.dropout's fused kernel, native_dropout, called dire
 Attention (`attention`): F.scaled_dot_product_attention, except for a decoding step on a CPU
 (a few queries, no gradient), where SDPA's flash kernel, tiled for long blocks of queries,
 is ~1.5x slower than one product, a softmax and a second product, and those are slower
-than cpu_attention's C kernel, which runs there (its docstring says where it declines and
+than cpu_decoding's C kernel, which runs there (its docstring says where it declines and
 what runs then: the two products); and under a CPU's bf16 autocast, where it runs in fp32
 (`attention`'s comment says why).
 
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer.nn import cpu_attention
+from transformer.nn import cpu_decoding
 
 # oneDNN for fp32 products on a CPU with AVX-512 (see the module docstring).
 ONEDNN = (
@@ -122,7 +122,7 @@ def attention(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
         )
-    if (out := cpu_attention.attend(q, k, v, mask)) is not None:
+    if (out := cpu_decoding.attend(q, k, v, mask)) is not None:
         return out
     # Where the C kernel is not built or declines: two batched products around a softmax.
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (..., L, S)

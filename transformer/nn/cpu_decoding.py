@@ -1,5 +1,6 @@
-"""A decoding step's attention on a CPU in one C loop nest (cpu_attention.c says why and
-how): `attend`, which kernels.attention calls for a step's few queries.
+"""A decoding step's two hot loops on a CPU in C (cpu_decoding.c says why and how):
+`attend`, which kernels.attention calls for a step's few queries, and `best_extensions`,
+beam search's best candidates of each sentence (transformer/decoding/search.py).
 
 The C source is compiled at first use, for this machine (`-march=native`), into the user's
 cache (`$XDG_CACHE_HOME/transformer-mt/`, else `~/.cache/transformer-mt/`), under a name
@@ -9,13 +10,13 @@ written under a temporary name and renamed into place, so that processes buildin
 never load half a file. It links the OpenMP runtime that torch already loaded (GCC's
 libgomp: one pool of threads for torch's ops and these), or builds without OpenMP where the
 compiler has none or its OpenMP build does not load (Clang without libomp), and then runs
-only with one thread. Without a C compiler, or where the build fails, `attend` declines
-(one warning says why) and kernels.attention keeps its two batched products: the same
-results to rounding, slower.
+only with one thread. Without a C compiler, or where the build fails, both decline (one
+warning says why) and their callers keep torch's ops: attention's two batched products,
+an add and topk; the same results to rounding (topk: the same, ties aside), slower.
 
 `attend` declines (returns None) what it was not built for: other dtypes, more than
 MAX_QUERIES queries or MAX_HEAD dimensions per head, a last dimension that is not contiguous,
-a mask broadcast along the keys.
+a mask broadcast along the keys. `best_extensions` declines anything but contiguous fp32.
 """
 
 from __future__ import annotations
@@ -68,6 +69,35 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     return out
 
 
+def best_extensions(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
+    """The best k of each sentence's beams x V candidates, lprobs (N * beams, V) plus each
+    row's score, scores (N, beams): their values (N, k), best first, and positions in
+    [0, beams * V) (N, k), the lower first among equal values; torch's
+    (lprobs.view(N, beams, V) + scores[..., None]).view(N, -1).topk(k). None where the
+    kernel does not take these inputs or could not be built."""
+    lib, threads = library(), torch.get_num_threads()
+    if lib is None or (threads > 1 and not _parallel):
+        return None
+    (n, beams), (rows, vocab) = scores.shape, lprobs.shape
+    f32 = torch.float32
+    if not (
+        lprobs.dtype == scores.dtype == f32
+        and lprobs.device.type == scores.device.type == "cpu"
+        and lprobs.is_contiguous()
+        and scores.is_contiguous()
+        and rows == n * beams
+        and 0 < k <= beams * vocab
+    ):
+        return None
+    top = lprobs.new_empty(n, k)
+    index = torch.empty(n, k, dtype=torch.long)
+    lib.best_extensions(
+        n, beams, vocab, k, threads,
+        lprobs.data_ptr(), scores.data_ptr(), top.data_ptr(), index.data_ptr(),
+    )  # fmt: skip
+    return top, index
+
+
 def _takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
         return False
@@ -96,16 +126,19 @@ def library() -> ctypes.CDLL | None:
         try:
             _library, _parallel = _load()
         except (OSError, subprocess.SubprocessError) as e:
-            log.warning("decoding attention: torch's batched products (no C kernel: %s)", e)
+            log.warning("decoding on this CPU: torch's ops (no C kernels: %s)", e)
     return _library
 
 
 def describe() -> str:
-    """One line for a log: what runs a decoding step's attention on this CPU."""
+    """One line for a log: what runs a decoding step's attention and top candidates here."""
     if library() is None:
-        return "decoding attention: torch's batched products (the C kernel could not be built)"
+        return "decoding on this CPU: torch's ops (the C kernels could not be built)"
     threads = "OpenMP threads" if _parallel else "one thread only"
-    return f"decoding attention: C kernel (transformer/nn/cpu_attention.c, {threads})"
+    return (
+        "decoding on this CPU: C kernels for attention and the beam's best candidates "
+        f"(transformer/nn/cpu_decoding.c, {threads})"
+    )
 
 
 def _load() -> tuple[ctypes.CDLL, bool]:
@@ -124,7 +157,8 @@ def _load() -> tuple[ctypes.CDLL, bool]:
             continue
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.attend.argtypes = [i64] * 5 + [ctypes.c_float, ctypes.c_int] + [ptr] * 6
-        lib.attend.restype = None
+        lib.best_extensions.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 4
+        lib.attend.restype = lib.best_extensions.restype = None
         return lib, bool(openmp)
     raise OSError(f"{cc} failed: {error.strip()}")
 
@@ -136,7 +170,7 @@ def _build(cc: str, flags: list[str]) -> Path:
     for part in (SOURCE.read_bytes(), version.stdout.encode(), " ".join(flags).encode()):
         key.update(part)
     key.update(_cpu().encode())
-    path = _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    path = _cache_dir() / f"cpu_decoding-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

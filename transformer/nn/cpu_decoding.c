@@ -1,9 +1,11 @@
-/* Attention of a decoding step on a CPU: a few queries per (sentence, head) against that
- * sentence's cached keys and values, softmax(q k^T / sqrt(d_k) + mask) v, in one pass.
- * Built and loaded by cpu_attention.py (which says when it runs); GCC's and Clang's vector
- * extensions, compiled for the machine it runs on.
+/* A decoding step's two hot loops on a CPU, built and loaded by cpu_decoding.py (which
+ * says when they run); GCC's and Clang's vector extensions, compiled for the machine it
+ * runs on:
+ * - `attend`: a few queries per (sentence, head) against that sentence's cached keys and
+ *   values, softmax(q k^T / sqrt(d_k) + mask) v, in one pass;
+ * - `best_extensions`: beam search's best candidates of each sentence, scores added.
  *
- * Why not two batched products (torch's bmm): a step multiplies thousands of tiny matrices
+ * Attention: why not two batched products (torch's bmm): a step multiplies thousands of tiny matrices
  * (a beam of 4 queries by 20-200 keys of 32-64 dimensions), where a BLAS spends most of
  * its time packing each one, and the scores make two more passes (mask, softmax) between
  * the products. Here each (sentence, head) block is one loop nest over keys already in
@@ -19,13 +21,16 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 #define W 16    /* lanes */
-#define MAXM 8  /* queries per block: cpu_attention.MAX_QUERIES */
-#define MAXD 8  /* d_k up to 128: cpu_attention.MAX_HEAD */
+#define MAXM 8  /* queries per block: cpu_decoding.MAX_QUERIES */
+#define MAXD 8  /* d_k up to 128: cpu_decoding.MAX_HEAD */
 
 static inline v16 splat(float x) { return (v16){0} + x; }
 static inline v16 pick(i16 c, v16 a, v16 b) { return (v16)(((i16)a & c) | ((i16)b & ~c)); }
@@ -176,7 +181,7 @@ static void range(int64_t first, int64_t last, int64_t H, int64_t M, int64_t L, 
  * contiguous. `st`: the strides (in floats) of q, k and v's first three dimensions, then
  * the mask's four (0 where broadcast); the last dimension of each is contiguous.
  * M <= MAXM, D <= MAXD * 16. `threads` > 1 splits the blocks among OpenMP threads where
- * the library was built with OpenMP (cpu_attention.py links the one torch runs). */
+ * the library was built with OpenMP (cpu_decoding.py links the one torch runs). */
 void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, float scale, int threads,
             const float *q, const float *k, const float *v, const float *mask, float *out,
             const int64_t *st) {
@@ -188,4 +193,74 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, float scale, 
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++)
         range(n * t / threads, n * (t + 1) / threads, H, M, L, D, scale, q, k, v, mask, out, st);
+}
+
+/* Beam search's candidates: each sentence's best k of its beams x V extensions, a beam's
+ * score added to its row of log-probabilities (in fp32, as torch's add), sorted by value
+ * and among equal values by position (beam * V + token).
+ *
+ * Why not torch's topk: over a step's (sentences, beams x V) it takes ~1 ms for 200 x
+ * 4,000, where a pass that compares 16 candidates at a time with the k-th best so far and
+ * looks closer only where one beats it reads each candidate once (a few dozen of a
+ * sentence's thousands enter the k best on the way). */
+
+/* (x, i) into the best `*have` (at most k) so far, tv/ti sorted; i is larger than every
+ * kept position (the scan's order), so it goes after equal values */
+static inline void enter(float x, int64_t i, float *tv, int64_t *ti, int64_t *have, int64_t k) {
+    if (*have == k && !(x > tv[k - 1])) return;
+    int64_t p = *have < k ? (*have)++ : k - 1;
+    for (; p > 0 && tv[p - 1] < x; p--) {
+        tv[p] = tv[p - 1];
+        ti[p] = ti[p - 1];
+    }
+    tv[p] = x;
+    ti[p] = i;
+}
+
+static void best_of_sentence(int64_t beams, int64_t V, int64_t k, const float *lp,
+                             const float *scores, float *tv, int64_t *ti) {
+    int64_t have = 0;
+    for (int64_t b = 0; b < beams; b++) {
+        const float *row = lp + b * V, s = scores[b];
+        int64_t v = 0;
+        for (; v < V && have < k; v++) enter(row[v] + s, b * V + v, tv, ti, &have, k);
+        /* 16 at a time: only a candidate above the k-th best so far is looked at */
+#ifdef __AVX512F__
+        const __m512 add = _mm512_set1_ps(s);
+        for (; v + W <= V; v += W) {
+            const __m512 x = _mm512_add_ps(_mm512_loadu_ps(row + v), add);
+            __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(tv[k - 1]), _CMP_GT_OQ);
+            for (; above; above &= above - 1) {
+                const int j = __builtin_ctz(above);
+                enter(row[v + j] + s, b * V + v + j, tv, ti, &have, k);
+            }
+        }
+#else
+        for (; v + W <= V; v += W) {
+            const v16 x = load(row + v, W) + s;
+            float most = x[0];
+            for (int j = 1; j < W; j++) most = x[j] > most ? x[j] : most;
+            if (!(most > tv[k - 1])) continue;
+            for (int j = 0; j < W; j++) enter(row[v + j] + s, b * V + v + j, tv, ti, &have, k);
+        }
+#endif
+        for (; v < V; v++) enter(row[v] + s, b * V + v, tv, ti, &have, k);
+    }
+}
+
+/* lp (N * beams, V) and scores (N, beams), contiguous -> the best k (<= beams * V) of each
+ * sentence, values (N, k) and positions (N, k) in [0, beams * V). No NaN in lp or scores
+ * (log-softmax outputs, -inf where banned). `threads` > 1 splits the sentences. */
+void best_extensions(int64_t N, int64_t beams, int64_t V, int64_t k, int threads,
+                     const float *lp, const float *scores, float *tv, int64_t *ti) {
+    if (threads <= 1 || N < 2 * threads) {
+        for (int64_t n = 0; n < N; n++)
+            best_of_sentence(beams, V, k, lp + n * beams * V, scores + n * beams, tv + n * k,
+                             ti + n * k);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        best_of_sentence(beams, V, k, lp + n * beams * V, scores + n * beams, tv + n * k,
+                         ti + n * k);
 }

@@ -1,0 +1,292 @@
+"""transformer.nn.cpu_decoding: a decoding step's attention in C on a CPU is SDPA's result,
+the same bitwise wherever masked keys sit and however many threads run it; the beam's best
+candidates in C are torch's add and topk; both decline what they were not built for;
+without a compiler (or with a failing one) decoding falls back to torch's ops with one
+warning; the build is cached; and beam search runs both at every step (attention at every
+call, the encoder's of a short batch too)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_search import Ending, batch
+
+from transformer.config import ModelConfig
+from transformer.decoding.search import beam_search
+from transformer.nn import cpu_decoding, kernels
+from transformer.nn.model import Transformer
+from transformer.tokens import BOS, EOS, PAD
+
+pytestmark = pytest.mark.skipif(
+    cpu_decoding.library() is None, reason="no C compiler here: the kernel is not built"
+)
+
+
+def inputs(b=3, h=2, m=4, n=37, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, rows, d, generator=g) for rows in (m, n, n))
+    return q, k, v
+
+
+def additive(keep: torch.Tensor) -> torch.Tensor:
+    keep = keep | (torch.arange(keep.size(-1)) == 0)  # every row keeps a key, as the model's
+    return torch.where(keep, 0.0, float("-inf"))
+
+
+@pytest.mark.parametrize("d", [8, 20, 32, 64])
+@pytest.mark.parametrize("m, n", [(1, 1), (4, 5), (4, 16), (8, 37), (4, 200)])
+@pytest.mark.parametrize("masked", ["none", "padding", "per-query", "boolean"])
+def test_the_kernel_is_sdpa(d, m, n, masked):
+    q, k, v = inputs(m=m, n=n, d=d)
+    g = torch.Generator().manual_seed(1)
+    mask = {
+        "none": None,
+        "padding": additive(torch.arange(n) < torch.tensor([n, 3, 1])[:, None, None, None]),
+        "per-query": additive(torch.rand(3, 1, m, n, generator=g) < 0.6),
+        "boolean": (torch.rand(3, 1, m, n, generator=g) < 0.6) | (torch.arange(n) == 0),
+    }[masked]
+    got = cpu_decoding.attend(q, k, v, mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_it_reads_the_caches_views_where_they_are():
+    """Keys and values as the KV cache hands them over: the filled slots of a larger
+    buffer, keys and values halves of one tensor, sentences narrowed."""
+    buffer = torch.randn(2, 5, 2, 50, 32)  # (keys and values, sentences, heads, room, d_k)
+    k, v = buffer[0, :3, :, :21], buffer[1, :3, :, :21]
+    q = torch.randn(3, 2, 4, 32)
+    mask = additive(torch.rand(3, 1, 4, 21) < 0.5)
+    want = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask)
+    torch.testing.assert_close(cpu_decoding.attend(q, k, v, mask), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_masked_key_changes_nothing_wherever_it_sits():
+    """What lets the static search (every slot, masked) and the shrinking one (slots
+    dropped) agree bitwise: keys that a row does not see, anywhere among those it sees."""
+    q, k, v = inputs(n=23)
+    mask = additive(torch.rand(3, 1, 4, 23, generator=torch.Generator().manual_seed(2)) < 0.7)
+    alone = cpu_decoding.attend(q, k, v, mask)
+    before = torch.tensor([0, 5, 5, 17, 23])  # a masked key before each of these keys
+    total = 23 + before.numel()
+    hidden = torch.zeros(total, dtype=torch.bool)
+    hidden[before + torch.arange(before.numel())] = True
+    k2, v2 = (torch.randn(3, 2, total, 32) for _ in range(2))  # anything, where hidden
+    k2[:, :, ~hidden], v2[:, :, ~hidden] = k, v
+    mask2 = torch.full((3, 1, 4, total), float("-inf"))
+    mask2[..., ~hidden] = mask
+    assert torch.equal(cpu_decoding.attend(q, k2, v2, mask2), alone)
+
+
+def test_threads_split_the_blocks_not_the_sums(monkeypatch):
+    if not cpu_decoding._parallel:
+        pytest.skip("built without OpenMP: runs with one thread only")
+    q, k, v = inputs(b=16, n=40)
+    mask = additive(torch.rand(16, 1, 4, 40) < 0.6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decoding.attend(q, k, v, mask)
+        torch.set_num_threads(3)
+        assert torch.equal(cpu_decoding.attend(q, k, v, mask), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_it_declines_what_it_was_not_built_for():
+    q, k, v = inputs()
+    keep = torch.rand(3, 1, 4, 37) < 0.5
+    assert cpu_decoding.attend(*inputs(m=cpu_decoding.MAX_QUERIES + 1), None) is None
+    assert cpu_decoding.attend(*inputs(d=cpu_decoding.MAX_HEAD + 16), None) is None
+    assert cpu_decoding.attend(q.double(), k.double(), v.double(), None) is None
+    assert cpu_decoding.attend(q, k.transpose(-2, -1).contiguous().mT, v, None) is None
+    assert cpu_decoding.attend(q, k, v, additive(keep)[..., :1]) is None  # broadcast keys
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """The module as before its first call, building into an empty cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name, value in (("_library", None), ("_parallel", False), ("_tried", False)):
+        monkeypatch.setattr(cpu_decoding, name, value)
+    return tmp_path / "transformer-mt"
+
+
+@pytest.mark.parametrize("boolean", [False, True])
+def test_without_a_compiler_attention_falls_back_with_one_warning(
+    boolean, fresh, monkeypatch, caplog
+):
+    monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
+    q, k, v = inputs()
+    mask = additive(torch.rand(3, 1, 4, 37) < 0.5)
+    mask = mask == 0 if boolean else mask
+    with caplog.at_level(logging.WARNING, logger=cpu_decoding.__name__), torch.no_grad():
+        first = kernels.attention(q, k, v, mask)
+        kernels.attention(q, k, v, mask)
+    assert cpu_decoding.library() is None
+    cc = fresh / "no-such-compiler"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"decoding on this CPU: torch's ops (no C kernels: {cc} failed: [Errno 2] "
+        f"No such file or directory: '{cc}')"
+    ]
+    assert "could not be built" in cpu_decoding.describe()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-6)
+    lprobs, scores = candidates(3, 4, 50)
+    assert cpu_decoding.best_extensions(lprobs, scores, 8) is None
+
+
+def test_a_build_error_is_named_and_nothing_is_left_behind(fresh, monkeypatch, caplog):
+    bad = fresh.parent / "bad.c"
+    bad.write_text("this is not C;\n")
+    monkeypatch.setattr(cpu_decoding, "SOURCE", bad)
+    with caplog.at_level(logging.WARNING, logger=cpu_decoding.__name__):
+        assert cpu_decoding.library() is None
+    (record,) = caplog.records
+    assert "cc failed: " in record.getMessage() and "error" in record.getMessage()
+    assert not list(fresh.iterdir())  # no half-built library under any name
+
+
+def test_the_build_is_cached(fresh, monkeypatch):
+    assert cpu_decoding.library() is not None
+    (built,) = fresh.glob("cpu_decoding-*.so")
+    compiled = []
+    run = subprocess.run
+
+    def spy(cmd, *args, **kwargs):
+        compiled.extend([cmd] if "-o" in cmd else [])
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", spy)
+    monkeypatch.setattr(cpu_decoding, "_tried", False)
+    assert cpu_decoding.library() is not None
+    assert compiled == [] and list(fresh.glob("cpu_decoding-*.so")) == [built]
+
+
+def candidates(n, beams, vocab, seed=0, at_max=()):
+    """A step's log-probabilities (N * beams, V), PAD and BOS banned, and the beams' scores
+    (N, beams); the sentences `at_max` may only end (EOS alone is finite)."""
+    g = torch.Generator().manual_seed(seed)
+    lprobs = torch.randn(n * beams, vocab, generator=g).log_softmax(-1)
+    lprobs[:, [PAD, BOS]] = float("-inf")
+    for i in at_max:
+        lprobs.view(n, beams, vocab)[i, :, torch.arange(vocab) != EOS] = float("-inf")
+    return lprobs, torch.randn(n, beams, generator=g) * 5
+
+
+def torch_topk(lprobs, scores, k):
+    n, beams = scores.shape
+    return (lprobs.view(n, beams, -1) + scores[..., None]).view(n, -1).topk(k, dim=1)
+
+
+@pytest.mark.parametrize(
+    "n, beams, vocab, k",
+    [(1, 1, 5, 2), (3, 1, 50, 8), (5, 4, 1000, 8), (2, 4, 37, 8), (2, 2, 7, 14), (4, 8, 100, 16)],
+)
+def test_the_best_extensions_are_torchs_topk(n, beams, vocab, k):
+    lprobs, scores = candidates(n, beams, vocab)
+    top, index = cpu_decoding.best_extensions(lprobs, scores, k)
+    want = torch_topk(lprobs, scores, k)
+    assert torch.equal(top, want.values)
+    finite = top > float("-inf")  # torch orders equal ones as it likes: see the next test
+    assert torch.equal(index[finite], want.indices[finite])
+    assert torch.equal(index.sort(1).values, want.indices.sort(1).values)
+
+
+def test_ties_go_to_the_lower_position():
+    """Equal candidates: a sentence at its maximum length (EOS its only finite token per
+    beam), and a row repeated: the lower position first, as the scan meets them."""
+    lprobs, scores = candidates(3, 4, 40, at_max=[1])
+    lprobs[8:12] = lprobs[8]  # sentence 2: four equal beams
+    scores[2] = 1.0
+    top, index = cpu_decoding.best_extensions(lprobs, scores, 8)
+    want = torch_topk(lprobs, scores, 8)
+    assert torch.equal(top, want.values)
+    assert sorted(index[1, :4].tolist()) == [EOS, 40 + EOS, 80 + EOS, 120 + EOS]
+    assert index[1, 4:].tolist() == [PAD, 1, BOS, 4]  # -inf, all
+    best = lprobs[8].argsort(descending=True)[:2].tolist()
+    assert index[2].tolist() == [b * 40 + t for t in best for b in range(4)]
+
+
+def test_threads_split_the_sentences_not_a_sentence(monkeypatch):
+    if not cpu_decoding._parallel:
+        pytest.skip("built without OpenMP: one thread only")
+    lprobs, scores = candidates(9, 4, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decoding.best_extensions(lprobs, scores, 8)
+        torch.set_num_threads(3)
+        assert all(map(torch.equal, cpu_decoding.best_extensions(lprobs, scores, 8), one))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_best_extensions_decline_what_they_were_not_built_for():
+    lprobs, scores = candidates(3, 4, 50)
+    assert cpu_decoding.best_extensions(lprobs.double(), scores.double(), 8) is None
+    assert cpu_decoding.best_extensions(lprobs.t().contiguous().t(), scores, 8) is None
+    assert cpu_decoding.best_extensions(lprobs, scores[:2], 8) is None  # rows != N * beams
+    assert cpu_decoding.best_extensions(lprobs, scores, 201) is None  # more than there are
+
+
+@torch.no_grad()
+def test_beam_search_finds_its_candidates_in_c_at_every_step(monkeypatch):
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=1, d_model=32, d_ff=64, n_heads=2, dropout=0.0)
+    model = Ending(Transformer(cfg, 40).eval(), 1.0)
+    calls, best = [], cpu_decoding.best_extensions
+    steps = []
+
+    def spy(*args):
+        calls.append(best(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(cpu_decoding, "best_extensions", spy)
+    decode = model.decode
+    monkeypatch.setattr(model, "decode", lambda *a, **kw: steps.append(1) or decode(*a, **kw))
+    beam_search(model, batch([5, 6, 7], [8, 9]), 4, 0.6, 1.0, 5, static=False)
+    assert len(calls) == len(steps) > 1 and all(out is not None for out in calls)
+
+
+@torch.no_grad()
+def test_beam_search_runs_the_kernel_at_every_step(monkeypatch):
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=2, d_model=64, d_ff=128, n_heads=2, dropout=0.0)  # d_k 32
+    model = Ending(Transformer(cfg, 40).eval(), 1.0)
+    calls, attend = [], cpu_decoding.attend
+
+    def spy(*args):
+        calls.append(attend(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(cpu_decoding, "attend", spy)
+    beam_search(model, batch([5, 6, 7], [8, 9]), 4, 0.6, 1.0, 5, static=False)
+    assert calls and all(out is not None for out in calls)
+
+
+def test_an_openmp_build_that_does_not_load_gives_way_to_one_without(fresh, monkeypatch):
+    """Clang with -fopenmp may build a library that needs a runtime nothing loaded (libomp):
+    then the kernel is built without OpenMP and runs with one thread only."""
+    build, junk = cpu_decoding._build, fresh.parent / "not-a-library.so"
+    junk.write_text("")
+
+    def build_or_junk(cc, flags):
+        return junk if "-fopenmp" in flags else build(cc, flags)
+
+    monkeypatch.setattr(cpu_decoding, "_build", build_or_junk)
+    assert cpu_decoding.library() is not None and not cpu_decoding._parallel
+    assert "one thread only" in cpu_decoding.describe()
+    q, k, v = inputs()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cpu_decoding.attend(q, k, v, None) is not None
+        torch.set_num_threads(2)
+        assert cpu_decoding.attend(q, k, v, None) is None  # torch's products, in parallel
+    finally:
+        torch.set_num_threads(threads)
