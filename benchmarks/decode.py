@@ -53,6 +53,7 @@ from transformer.config import DecodeConfig, load_params
 from transformer.decoding.search import beam_search, greedy_search
 from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
 from transformer.nn import cpu_decoding
+from transformer.nn.kv_cache import Arena
 from transformer.nn.model import Transformer
 from transformer.tokens import EOS, PAD
 
@@ -71,8 +72,8 @@ class EndsWithSource(nn.Module):
     def encode(self, src):
         return self.model.encode(src)
 
-    def new_cache(self, max_len: int = 0):
-        return self.model.new_cache(max_len)
+    def new_cache(self, max_len: int = 0, arena=None):
+        return self.model.new_cache(max_len, arena)
 
     def decode(self, tgt_in, memory, src_padding, cache=None):
         start = 0 if cache is None else cache.length  # before decode(), which may advance it
@@ -153,16 +154,18 @@ def run(model, sources, cfg: DecodeConfig, mode: str, device: str, restrict_atte
     if device == "cuda":
         torch.cuda.synchronize()
     start, tokens, outputs = time.perf_counter(), 0, [[] for _ in sources]
+    arena = Arena()  # as translate keeps one from batch to batch
     for batch in batch_by_tokens(sources, cfg.max_tokens):
         src = pad_batch([sources[j] for j in batch], device)
         if mode == "greedy":
-            outs = greedy_search(model, src, cfg.max_len_a, cfg.max_len_b)
+            outs = greedy_search(model, src, cfg.max_len_a, cfg.max_len_b, arena=arena)
         else:
             hyps = beam_search(
                 model, src, cfg.beam_size, cfg.len_penalty, cfg.max_len_a, cfg.max_len_b,
                 cached=mode != "beam-uncached",
                 early_stop="beam" if mode == "beam-early" else "exact",
                 static=mode == "beam-static", restrict_attention=restrict_attention,
+                arena=arena,
             )  # fmt: skip
             outs = [h[0].tokens for h in hyps]
         tokens += sum(len(o) + 1 for o in outs)

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformer.config import ModelConfig
 from transformer.decoding.search import Hypothesis, beam_search, greedy_search
 from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
+from transformer.nn.kv_cache import Arena
 from transformer.nn.model import Transformer
 from transformer.tokens import BOS, EOS, PAD, UNK
 
@@ -56,7 +57,7 @@ class StubModel:
     def __init__(self, dist, vocab: int):
         self.dist, self.vocab, self.rows = dist, vocab, []
 
-    def new_cache(self, max_len: int = 0):
+    def new_cache(self, max_len: int = 0, arena=None):
         return StubCache()
 
     def encode(self, src):
@@ -273,8 +274,8 @@ class Ending(torch.nn.Module):
     def encode(self, src):
         return self.model.encode(src)
 
-    def new_cache(self, max_len: int = 0):
-        return self.model.new_cache(max_len)
+    def new_cache(self, max_len: int = 0, arena=None):
+        return self.model.new_cache(max_len, arena)
 
     def decode(self, tgt_in, memory, src_padding, cache=None):
         start = 0 if cache is None else cache.length
@@ -323,6 +324,24 @@ def test_real_model_batch_independence_and_beam_one_is_greedy():
     beams = beam_search(model, batch(*sources), 1, 0.0, 1.0, 5)
     assert [h[0].tokens for h in beams] == greedy_search(model, batch(*sources), 1.0, 5)
     assert len({len(h[0].tokens) for h in together}) > 2  # real endings, not all at the limit
+
+
+def test_searches_that_share_an_arena_find_what_fresh_ones_do():
+    """Batch after batch in one arena (kv_cache.Arena), an ensemble's two caches at once:
+    the same hypotheses, bitwise, as searches with fresh memory; the second batch of a size
+    takes no new memory, a larger one grows the blocks."""
+    model, sources = tiny_transformer(), real_sources(8)
+    batches = [batch(*sources[:4]), batch(*sources[4:7]), batch(*sources)]
+    arena = Arena()
+    for src in batches:
+        for search in (beam_search, greedy_search):
+            args = (src, 4, 0.6, 1.0, 5) if search is beam_search else (src, 1.0, 5)
+            fresh = search([model, model], *args)
+            assert search([model, model], *args, arena=arena) == fresh
+    blocks = [(b.data_ptr(), b.numel()) for b in arena._blocks]
+    beam_search([model, model], batches[-1], 4, 0.6, 1.0, 5, arena=arena)
+    assert [(b.data_ptr(), b.numel()) for b in arena._blocks] == blocks
+    assert len(blocks) == 2 * 2 * 2  # members x layers x (first step's, then the beams')
 
 
 class HostReads(TorchDispatchMode):

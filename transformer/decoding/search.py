@@ -60,7 +60,7 @@ from torch import Tensor
 from transformer.nn import cpu_decoding
 from transformer.nn.attention import attention_context
 from transformer.nn.kernels import cpu_path
-from transformer.nn.kv_cache import Shrink, StaticKVCache
+from transformer.nn.kv_cache import Arena, Shrink, StaticKVCache
 from transformer.tokens import BOS, EOS, PAD
 
 # The static search asks the host whether all sentences are done once per this many steps
@@ -97,15 +97,18 @@ class _Decoder:
     log-probabilities of the next out. The encoder output stays one row per sentence;
     the sentence's hypotheses are consecutive rows that share it. Without the cache the
     decoder re-runs over the whole prefix every step (the reference the cache is tested
-    against). An ensemble's members each have their memory and cache. `static`: the
-    static search's (beam size, step counter), for StaticKVCache."""
+    against). An ensemble's members each have their memory and cache, its buffers from
+    `arena` (kv_cache.Arena) where given. `static`: the static search's (beam size, step
+    counter), for StaticKVCache."""
 
-    def __init__(self, model, src: Tensor, longest: int, cached: bool, static=None):
+    def __init__(self, model, src: Tensor, longest: int, cached: bool, static=None, arena=None):
         self.models = model if isinstance(model, list | tuple) else [model]
         self.pad = src == PAD  # (N, S)
         self.memory = [m.encode(src) for m in self.models]  # (N, S, D) each
+        if arena is not None:
+            arena.rewind()
         # BOS and up to `longest` tokens
-        self.caches = [m.new_cache(longest + 1) if cached else None for m in self.models]
+        self.caches = [m.new_cache(longest + 1, arena) if cached else None for m in self.models]
         if static is not None:
             k, step = static
             self.caches = [
@@ -213,19 +216,21 @@ def greedy_search(
     max_len_b: int,
     max_len: int | None = None,
     cached: bool = True,
+    arena: Arena | None = None,
 ) -> list[list[int]]:
     """The most probable next token until EOS, for each sentence of `src` (B, S), with a
     model or an ensemble (a list of models).
 
     Returns each sentence's output tokens without BOS/EOS, in the order of `src`.
     `cached=False` re-runs the decoder over the whole prefix each step (the reference).
+    `arena`: memory for the cache that the caller keeps from batch to batch (kv_cache.Arena).
     """
     dev = src.device
     with _inference(dev):
         limit, shortest, longest = _limits(src, max_len_a, max_len_b, max_len)
         out = torch.full((src.size(0), longest + 1), EOS, device=dev)  # tokens, EOS-padded
         sent = torch.arange(src.size(0), device=dev)  # sentence of each live row
-        decoder = _Decoder(model, src, longest, cached)
+        decoder = _Decoder(model, src, longest, cached, arena=arena)
         tok = torch.full((src.size(0),), BOS, device=dev)
         for t in range(longest + 1):
             lprobs = decoder.log_probs(tok)  # (N, V)
@@ -399,6 +404,7 @@ def beam_search(
     early_stop: str = "exact",
     static: bool | None = None,
     restrict_attention: bool = True,
+    arena: Arena | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search for each sentence of `src` (B, S), PAD-padded, each ending with EOS, with
     a model or an ensemble (a list of models).
@@ -412,6 +418,8 @@ def beam_search(
     device's (`_static_by_default`). The uncached reference is always the shrinking one.
     `restrict_attention=False` leaves torch its own choice of attention kernels instead of
     transformer/nn/attention.py's (what the GPU report measures that choice against).
+    `arena`: memory for the shrinking search's caches that the caller keeps from batch to
+    batch (kv_cache.Arena).
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best ({n_best}) must lie in [1, beam_size ({beam_size})]")
@@ -425,7 +433,7 @@ def beam_search(
         static = cached and _static_by_default(src.device)
     if static:
         return _StaticSearch.run(model, *args, restrict_attention=restrict_attention)
-    return _shrinking_beam_search(model, *args, cached, restrict_attention)
+    return _shrinking_beam_search(model, *args, cached, restrict_attention, arena)
 
 
 def _static_by_default(device: torch.device) -> bool:
@@ -440,13 +448,13 @@ def _static_by_default(device: torch.device) -> bool:
 
 
 def _shrinking_beam_search(
-    model, src, k, alpha, max_len_a, max_len_b, n_best, max_len, stop_at, cached, restrict
+    model, src, k, alpha, max_len_a, max_len_b, n_best, max_len, stop_at, cached, restrict, arena
 ):
     dev, n = src.device, src.size(0)
     with _inference(dev, restrict):
         limit, shortest, longest = _limits(src, max_len_a, max_len_b, max_len)
         beams, history = _Beams(limit, k, n_best, alpha, stop_at, longest + 1), _History()
-        decoder = _Decoder(model, src, longest, cached)
+        decoder = _Decoder(model, src, longest, cached, arena=arena)
         # each step's EOS extensions, by the sentence's index in `src`; -inf where it left
         record = torch.full((longest + 1, 3, n, k), float("-inf"), device=dev)
         for t in range(longest + 1):

@@ -35,6 +35,7 @@ from transformer.data.vocab import Lowercasing, VocabError, load_spm
 from transformer.decoding.search import Hypothesis, beam_search
 from transformer.files import atomic_file, check_output
 from transformer.model_file import CheckpointError, load_model_file, params_of
+from transformer.nn.kv_cache import Arena
 from transformer.nn.model import Transformer
 from transformer.tokens import EOS, PAD
 
@@ -138,9 +139,10 @@ def translate_batches(
         log.warning("line %d: %d subwords, cut to the model's %d positions (model.max_positions)",
                     first_line + todo[j], len(sources[j]), cap)  # fmt: skip
         sources[j] = [*sources[j][: cap - 1], EOS]
+    arena = Arena()  # one batch's cache memory, the next batch's
     for batch in batch_by_tokens(sources, cfg.max_tokens, max_sentences):
         src = pad_batch([sources[j] for j in batch], device)
-        yield [todo[j] for j in batch], _search(models, src, cfg, n_best)
+        yield [todo[j] for j in batch], _search(models, src, cfg, n_best, arena)
 
 
 def positions(models: list[Transformer]) -> int:
@@ -180,14 +182,14 @@ def pad_batch(rows: list[list[int]], device: str | torch.device) -> torch.Tensor
     return src.to(device)
 
 
-def _search(models: list[Transformer], src: torch.Tensor, cfg: DecodeConfig, n_best: int):
+def _search(models: list[Transformer], src: torch.Tensor, cfg: DecodeConfig, n_best: int, arena):
     # The target side has as many positions as the source side, BOS included.
     cap = positions(models)
     # One beam without a length penalty is exactly greedy search (search.py's rules).
     alpha = cfg.len_penalty if cfg.beam_size > 1 else 0.0
     return beam_search(
         models, src, cfg.beam_size, alpha, cfg.max_len_a, cfg.max_len_b, n_best,
-        max_len=cap - 1, early_stop=cfg.early_stop,
+        max_len=cap - 1, early_stop=cfg.early_stop, arena=arena,
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ small masks, not keys and values.
 - `KVCache` grows and shrinks: when sentences leave the batch (`Shrink`), the rows of those
   that stay move only where a sentence that left makes room, and it drops the slots no
   hypothesis sees any more now and then.
+- `Arena` keeps the keys' and values' memory from one batch's search to the next.
 - `StaticKVCache` never changes shape: every buffer is allocated for the whole batch and its
   longest output before the first step, finished sentences stay, and each step runs the
   same operations on the same shapes (a CUDA graph replays it; torch.compile compiles it
@@ -15,6 +16,8 @@ sentence, h heads, S source length, d_k = D / h.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +53,39 @@ class Shrink:
         return t.narrow(dim, 0, self.kept.numel())
 
 
+class Arena:
+    """Memory that the KV caches of successive searches reuse, for a caller that decodes
+    batch after batch (translation, validation, the benchmarks): each search `rewind`s it,
+    and its caches `take` their keys' and values' buffers from it in turn, the i-th buffer
+    of a search in the block that kept the i-th of the one before (grown where too small).
+
+    Why: a cache's buffers are tens of MB a layer, more than glibc keeps for reuse when
+    freed (it returns blocks over 32 MB to the system), so every batch would write to
+    fresh pages, and each first write to a 4 KB page is a page fault (on a 2-core VM: ~20
+    ms a layer for a 200-sentence batch of the smoke model, 4% of the time of a CPU
+    benchmark run). One search at a time: a second one at once would write into the
+    first one's keys."""
+
+    def __init__(self):
+        self._blocks: list[Tensor] = []
+        self._next = 0
+
+    def rewind(self) -> None:
+        """A new search: the buffers handed out so far are free again."""
+        self._next = 0
+
+    def take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """An uninitialised tensor of `shape`, with `like`'s dtype and device."""
+        size = math.prod(shape)
+        if self._next == len(self._blocks):
+            self._blocks.append(like.new_empty(0))
+        block = self._blocks[self._next]
+        if block.numel() < size or block.dtype != like.dtype or block.device != like.device:
+            block = self._blocks[self._next] = like.new_empty(size)
+        self._next += 1
+        return block[:size].view(shape)
+
+
 class KVCache:
     """Keys and values of every decoder layer, so that each `decode()` computes only its new
     positions. The g target rows that share a source row (beam search's hypotheses of one
@@ -63,10 +99,11 @@ class KVCache:
       only these marks; keys and values move only when sentences leave the batch (those of
       the sentences that take their places: `Shrink`), and when the slots that no row sees
       any more are dropped (each time the slots have doubled).
+    The self-attention buffers come from `arena` where given (see Arena), else are new.
     """
 
-    def __init__(self, n_layers: int, max_len: int):
-        self.max_len, self.length, self.group = max_len, 0, 1
+    def __init__(self, n_layers: int, max_len: int, arena: Arena | None = None):
+        self.max_len, self.length, self.group, self.arena = max_len, 0, 1, arena
         self.filled = self.compacted = 0  # slots in use; in use after the last compaction
         self.self_attn = [SelfAttentionKV(self) for _ in range(n_layers)]
         self.cross_attn: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
@@ -166,7 +203,8 @@ class SelfAttentionKV:
         c, (_, b, h, t, d_k) = self.cache, kv.shape
         if self.kv is None or self.kv.size(3) < c.visible.size(1):
             shape = (2, b // c.group, h, c.visible.size(1), d_k)
-            self._grow(kv.new_empty(shape), c.filled - t * c.group)
+            room = kv.new_empty(shape) if c.arena is None else c.arena.take(shape, kv)
+            self._grow(room, c.filled - t * c.group)
         new = self.kv[:, :, :, c.filled - t * c.group : c.filled].unflatten(3, (t, c.group))
         new.copy_(kv.unflatten(1, (-1, c.group)).permute(0, 1, 3, 4, 2, 5))  # (2, B', h, T, g, d_k)
         return self.kv[0, :, :, : c.filled], self.kv[1, :, :, : c.filled]  # (B', h, slots, d_k)

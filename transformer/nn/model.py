@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from transformer.config import ModelConfig
 from transformer.nn.kernels import Dropout, Linear, attention, linear
-from transformer.nn.kv_cache import KVCache, SelfAttentionKV
+from transformer.nn.kv_cache import Arena, KVCache, SelfAttentionKV
 
 
 def sinusoidal(pos: Tensor, d_model: int) -> Tensor:
@@ -270,6 +270,7 @@ class Transformer(nn.Module):
         for dropout in (self.dropout, *residuals):
             dropout.p = p
 
-    def new_cache(self, max_len: int = 0) -> KVCache:
-        """An empty cache with room for `max_len` target positions (it grows past them)."""
-        return KVCache(self.cfg.n_layers, max_len)
+    def new_cache(self, max_len: int = 0, arena: Arena | None = None) -> KVCache:
+        """An empty cache with room for `max_len` target positions (it grows past them),
+        its buffers from `arena` if given (kv_cache.Arena)."""
+        return KVCache(self.cfg.n_layers, max_len, arena)

@@ -82,18 +82,20 @@ def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env:
     it, and must decide alike (a rank that stops alone leaves the others in a collective)."""
     from transformer.decoding.search import beam_search, greedy_search
     from transformer.decoding.translate import positions
+    from transformer.nn.kv_cache import Arena
 
     d, beam = params.decode, params.train.valid_beam
     max_len = positions([model]) - 1  # as translate: BOS, then at most this many tokens
-    pairs = []
+    pairs, arena = [], Arena()  # one batch's cache memory, the next batch's
     for batch in valid_batches(valid, params, env):
         src = batch.src.to(env.device)
         if beam == 1:
-            hyps = greedy_search(model, src, d.max_len_a, d.max_len_b, max_len)
+            hyps = greedy_search(model, src, d.max_len_a, d.max_len_b, max_len, arena=arena)
         else:
             found = beam_search(
-                model, src, beam, d.len_penalty, d.max_len_a, d.max_len_b, max_len=max_len
-            )
+                model, src, beam, d.len_penalty, d.max_len_a, d.max_len_b, max_len=max_len,
+                arena=arena,
+            )  # fmt: skip
             hyps = [h[0].tokens if h else [] for h in found]
         refs = [[i for i in row if i not in (PAD, EOS)] for row in batch.tgt_out.tolist()]
         pairs += zip(batch.ids.tolist(), sp.decode(hyps), sp.decode(refs), strict=True)
