@@ -59,12 +59,11 @@ class Arena:
     and its caches `take` their keys' and values' buffers from it in turn, the i-th buffer
     of a search in the block that kept the i-th of the one before (grown where too small).
 
-    Why: a cache's buffers are tens of MB a layer, more than glibc keeps for reuse when
-    freed (it returns blocks over 32 MB to the system), so every batch would write to
-    fresh pages, and each first write to a 4 KB page is a page fault (on a 2-core VM: ~20
-    ms a layer for a 200-sentence batch of the smoke model, 4% of the time of a CPU
-    benchmark run). One search at a time: a second one at once would write into the
-    first one's keys."""
+    Why: on a CPU a cache's buffers are tens of MB a layer, more than glibc keeps for reuse
+    when freed (it returns blocks over 32 MB to the system), so every batch would write to
+    fresh pages, and the first write to each 4 KB page is a page fault
+    (benchmarks/results/2026-11-28-zen4-decode/NOTES.md). One search at a time: a second
+    one at once would write into the first one's keys."""
 
     def __init__(self):
         self._blocks: list[Tensor] = []
