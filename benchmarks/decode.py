@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.config import DecodeConfig, load_params
@@ -63,11 +63,14 @@ ROOT = Path(__file__).resolve().parents[1]
 class EndsWithSource(nn.Module):
     """A model whose outputs end where their sources do: target length = source length.
     A module, so that .to() and copies take the model along; device ops only (the position
-    may be a device tensor), so that a CUDA graph can replay it."""
+    may be a device tensor), so that a CUDA graph can replay it. Each row's source length
+    is worked out once per batch (and again when sentences leave it): a step then adds
+    three ops to the model's (CTranslate2, told its lengths, adds none)."""
 
     def __init__(self, model: Transformer):
         super().__init__()
         self.model, self.cfg = model, model.cfg
+        self._wanted: tuple[Tensor, int, Tensor] | None = None  # (padding, rows, wanted)
 
     def encode(self, src):
         return self.model.encode(src)
@@ -78,12 +81,22 @@ class EndsWithSource(nn.Module):
     def decode(self, tgt_in, memory, src_padding, cache=None):
         start = 0 if cache is None else cache.length  # before decode(), which may advance it
         logits = self.model.decode(tgt_in, memory, src_padding, cache).float()  # (B, T, V)
-        made = start + torch.arange(tgt_in.size(1), device=logits.device)  # tokens before
-        wanted = (~src_padding).sum(1) - 1  # (B',): source subwords
-        # Each source row serves B / B' consecutive target rows (beam search's hypotheses).
-        wanted = wanted.repeat_interleave(tgt_in.size(0) // wanted.size(0)).unsqueeze(1)
-        logits[..., EOS] = torch.where(made >= wanted, 30.0, -30.0)  # (B, T)
+        made = start  # tokens before each new position: (T,), or the one's
+        if tgt_in.size(1) > 1:
+            made = start + torch.arange(tgt_in.size(1), device=logits.device)
+        logits[..., EOS] = torch.where(
+            made >= self._wanted_of(src_padding, tgt_in.size(0)), 30.0, -30.0
+        )
         return logits
+
+    def _wanted_of(self, padding: Tensor, rows: int) -> Tensor:
+        """(B, 1): each target row's source subwords. Each source row serves B / B'
+        consecutive target rows (beam search's hypotheses)."""
+        if self._wanted is None or self._wanted[0] is not padding or self._wanted[1] != rows:
+            wanted = (~padding).sum(1) - 1  # (B',)
+            wanted = wanted.repeat_interleave(rows // wanted.size(0)).unsqueeze(1)
+            self._wanted = (padding, rows, wanted)
+        return self._wanted[2]
 
 
 def wmt_like_sources(n: int, vocab: int, seed: int) -> list[list[int]]:

@@ -444,7 +444,14 @@ def test_trained_model_search_equals_the_uncached_reference_on_the_smoke_test_se
 
 def test_decode_benchmark_runs_and_outputs_end_with_their_sources():
     root = ROOT
-    argv = ["--sentences", "8", "--modes", "beam,beam-static,greedy", "--threads", "1"]
+    argv = [
+        "--sentences",
+        "8",
+        "--modes",
+        "beam,beam-static,beam-uncached,greedy",
+        "--threads",
+        "1",
+    ]
     argv += ["--device", "cpu", "--repeat", "1", "--ops"]
     out = subprocess.run(
         [sys.executable, root / "benchmarks/decode.py", *argv],
@@ -456,7 +463,7 @@ def test_decode_benchmark_runs_and_outputs_end_with_their_sources():
     assert out.returncode == 0, out.stderr
     source_len = float(out.stdout.split("mean source length ")[1].split()[0])
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("beam", "greedy"))]
-    assert [r[0] for r in rows] == ["beam", "beam-static", "greedy"]
+    assert [r[0] for r in rows] == ["beam", "beam-static", "beam-uncached", "greedy"]
     assert all(float(r[-2]) == pytest.approx(source_len, abs=0.051) for r in rows)
     assert all(10 < float(r[-1]) < 200 for r in rows)  # host ops per step
 
