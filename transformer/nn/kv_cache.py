@@ -109,6 +109,7 @@ class KVCache:
         self.visible: Tensor | None = None  # (B, slots), True = in the row's past
         self.mask: Tensor | None = None  # this decode()'s (B', 1, g * T, slots), 0 or -inf
         self._src_mask: Tensor | None = None  # (B', 1, 1, S), 0 or -inf
+        self._place: tuple[tuple[int, int], Tensor] | None = None  # see _places
 
     def src_mask(self, padding: Tensor) -> Tensor:
         """The source key mask of every step, additive (kernels.attention adds it faster than
@@ -124,12 +125,14 @@ class KVCache:
         start, self.group = self.filled, g
         self.length, self.filled = self.length + t, self.filled + t * g
         self._reserve(b, self.filled + max(self.max_len - self.length, 0) * g, dev)
-        new = start + torch.arange(0, t * g, g, device=dev)  # (T,) the group's first row's
-        self.visible.scatter_(1, new + torch.arange(b, device=dev)[:, None] % g, True)
         seen = self.visible[:, None, : self.filled]  # (B, 1, slots)
-        if t > 1:  # a new position sees no later one
+        if t == 1:  # a search's step: row j's new slot is start + j % g
+            self.visible.scatter_(1, self._places(b, g) + start, True)
+        else:
+            new = start + torch.arange(0, t * g, g, device=dev)  # (T,) the group's first row's
+            self.visible.scatter_(1, new + self._places(b, g), True)
             later = torch.arange(self.filled, device=dev) >= new[:, None] + g  # (T, slots)
-            seen = seen & ~later  # (B, T, slots)
+            seen = seen & ~later  # (B, T, slots): a new position sees no later one
         # No mask when each row is alone in its group: it sees all the group's slots. Else
         # an additive one, made once for all layers (kernels.attention adds it faster than
         # it masks).
@@ -137,6 +140,13 @@ class KVCache:
         if not g == t == 1:
             self.mask = torch.where(seen.reshape(b // g, 1, g * t, -1), 0.0, float("-inf"))
         return list(zip(self.self_attn, self.cross_attn, strict=True))
+
+    def _places(self, b: int, g: int) -> Tensor:
+        """(B, 1): each row's place in its group, j % g; made again only when B or g
+        change (when sentences leave, or the beams start)."""
+        if self._place is None or self._place[0] != (b, g):
+            self._place = (b, g), torch.arange(b, device=self.visible.device)[:, None] % g
+        return self._place[1]
 
     def _reserve(self, b: int, slots: int, device: torch.device) -> None:
         """Room in `visible` (and so in the keys and values) for `slots` slots: those up to
