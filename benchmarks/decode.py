@@ -64,8 +64,8 @@ class EndsWithSource(nn.Module):
     """A model whose outputs end where their sources do: target length = source length.
     A module, so that .to() and copies take the model along; device ops only (the position
     may be a device tensor), so that a CUDA graph can replay it. Each row's source length
-    is worked out once per batch (and again when sentences leave it): a step then adds
-    three ops to the model's (CTranslate2, told its lengths, adds none)."""
+    is worked out once per batch (and again when sentences leave it), not at every step:
+    CTranslate2, told its lengths, pays nothing for them."""
 
     def __init__(self, model: Transformer):
         super().__init__()

@@ -8,6 +8,7 @@ call, the encoder's of a short batch too)."""
 from __future__ import annotations
 
 import logging
+import platform
 import subprocess
 
 import pytest
@@ -267,6 +268,23 @@ def test_beam_search_runs_the_kernel_at_every_step(monkeypatch):
     monkeypatch.setattr(cpu_decoding, "attend", spy)
     beam_search(model, batch([5, 6, 7], [8, 9]), 4, 0.6, 1.0, 5, static=False)
     assert calls and all(out is not None for out in calls)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86 compiler flag")
+def test_without_avx512_the_portable_loops_give_the_same(fresh, monkeypatch):
+    """The C source's loops for CPUs without AVX-512 (this one may have it): built so, the
+    kernels still equal torch's ops."""
+    monkeypatch.setattr(cpu_decoding, "FLAGS", [*cpu_decoding.FLAGS, "-mno-avx512f"])
+    assert cpu_decoding.library() is not None
+    lprobs, scores = candidates(5, 4, 1000, at_max=[2])
+    top, index = cpu_decoding.best_extensions(lprobs, scores, 8)
+    want = torch_topk(lprobs, scores, 8)
+    finite = top > float("-inf")
+    assert torch.equal(top, want.values) and torch.equal(index[finite], want.indices[finite])
+    q, k, v = inputs(n=45)
+    mask = additive(torch.rand(3, 1, 4, 45, generator=torch.Generator().manual_seed(3)) < 0.5)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(cpu_decoding.attend(q, k, v, mask), want, rtol=1e-5, atol=1e-6)
 
 
 def test_an_openmp_build_that_does_not_load_gives_way_to_one_without(fresh, monkeypatch):

@@ -327,21 +327,24 @@ def test_real_model_batch_independence_and_beam_one_is_greedy():
 
 
 def test_searches_that_share_an_arena_find_what_fresh_ones_do():
-    """Batch after batch in one arena (kv_cache.Arena), an ensemble's two caches at once:
-    the same hypotheses, bitwise, as searches with fresh memory; the second batch of a size
-    takes no new memory, a larger one grows the blocks."""
-    model, sources = tiny_transformer(), real_sources(8)
+    """Batch after batch in one arena (kv_cache.Arena), an ensemble of two different models
+    (two caches at once): the same hypotheses, bitwise, as searches with fresh memory; the
+    second batch of a size takes no new memory, a larger one grows the blocks, another
+    dtype gets its own."""
+    models, sources = [tiny_transformer(seed=0), tiny_transformer(seed=1)], real_sources(8)
     batches = [batch(*sources[:4]), batch(*sources[4:7]), batch(*sources)]
     arena = Arena()
     for src in batches:
         for search in (beam_search, greedy_search):
             args = (src, 4, 0.6, 1.0, 5) if search is beam_search else (src, 1.0, 5)
-            fresh = search([model, model], *args)
-            assert search([model, model], *args, arena=arena) == fresh
+            fresh = search(models, *args)
+            assert search(models, *args, arena=arena) == fresh
     blocks = [(b.data_ptr(), b.numel()) for b in arena._blocks]
-    beam_search([model, model], batches[-1], 4, 0.6, 1.0, 5, arena=arena)
+    beam_search(models, batches[-1], 4, 0.6, 1.0, 5, arena=arena)
     assert [(b.data_ptr(), b.numel()) for b in arena._blocks] == blocks
     assert len(blocks) == 2 * 2 * 2  # members x layers x (first step's, then the beams')
+    arena.rewind()
+    assert arena.take((2, 3), torch.zeros(1, dtype=torch.float64)).dtype == torch.float64
 
 
 class HostReads(TorchDispatchMode):

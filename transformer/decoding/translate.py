@@ -182,7 +182,9 @@ def pad_batch(rows: list[list[int]], device: str | torch.device) -> torch.Tensor
     return src.to(device)
 
 
-def _search(models: list[Transformer], src: torch.Tensor, cfg: DecodeConfig, n_best: int, arena):
+def _search(
+    models: list[Transformer], src: torch.Tensor, cfg: DecodeConfig, n_best: int, arena: Arena
+):
     # The target side has as many positions as the source side, BOS included.
     cap = positions(models)
     # One beam without a length penalty is exactly greedy search (search.py's rules).

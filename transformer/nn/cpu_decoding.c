@@ -5,10 +5,10 @@
  *   values, softmax(q k^T / sqrt(d_k) + mask) v, in one pass;
  * - `best_extensions`: beam search's best candidates of each sentence, scores added.
  *
- * Attention: why not two batched products (torch's bmm): a step multiplies thousands of tiny matrices
- * (a beam of 4 queries by 20-200 keys of 32-64 dimensions), where a BLAS spends most of
- * its time packing each one, and the scores make two more passes (mask, softmax) between
- * the products. Here each (sentence, head) block is one loop nest over keys already in
+ * Attention: why not two batched products (torch's bmm): a step multiplies thousands of
+ * tiny matrices (a beam of 4 queries by 20-200 keys of 32-64 dimensions), where a BLAS
+ * spends most of its time packing each one, and the scores make two more passes (mask,
+ * softmax) between the products. Here each (sentence, head) block is one loop nest over keys already in
  * cache: scores, softmax and the weighted sum of values.
  *
  * Arithmetic, fixed for every input (the static and the shrinking beam search agree
@@ -199,10 +199,10 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, float scale, 
  * score added to its row of log-probabilities (in fp32, as torch's add), sorted by value
  * and among equal values by position (beam * V + token).
  *
- * Why not torch's topk: over a step's (sentences, beams x V) it takes ~1 ms for 200 x
- * 4,000, where a pass that compares 16 candidates at a time with the k-th best so far and
- * looks closer only where one beats it reads each candidate once (a few dozen of a
- * sentence's thousands enter the k best on the way). */
+ * Why not torch's topk: over a step's (sentences, beams x V) it is several times slower
+ * than one pass that compares 16 candidates at a time with the k-th best so far and looks
+ * closer only where one beats it: a few dozen of a sentence's thousands enter the k best
+ * on the way (benchmarks/results/2026-11-28-zen4-decode/NOTES.md). */
 
 /* (x, i) into the best `*have` (at most k) so far, tv/ti sorted; i is larger than every
  * kept position (the scan's order), so it goes after equal values */

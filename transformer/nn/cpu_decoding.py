@@ -72,9 +72,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
 def best_extensions(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
     """The best k of each sentence's beams x V candidates, lprobs (N * beams, V) plus each
     row's score, scores (N, beams): their values (N, k), best first, and positions in
-    [0, beams * V) (N, k), the lower first among equal values; torch's
-    (lprobs.view(N, beams, V) + scores[..., None]).view(N, -1).topk(k). None where the
-    kernel does not take these inputs or could not be built."""
+    [0, beams * V) (N, k), the lower first among equal values (where torch's topk orders
+    ties as it likes); otherwise torch's
+    (lprobs.view(N, beams, V) + scores[..., None]).view(N, -1).topk(k). Neither may hold
+    NaN (log-probabilities, -inf where banned): a NaN met once k are kept is passed over,
+    where topk would rank it first. None where the kernel does not take these inputs or
+    could not be built."""
     lib, threads = library(), torch.get_num_threads()
     if lib is None or (threads > 1 and not _parallel):
         return None

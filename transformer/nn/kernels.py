@@ -58,7 +58,7 @@ CPU_BF16: str | None = next((n for n in ("amx_bf16", "avx512_bf16") if _capabili
 ONEDNN_MIN_ROWS = 256
 FEW_QUERIES = 8  # a beam of up to 8 hypotheses at one step, as decode.py's steps query
 # False runs a CPU the way a GPU is run (F.linear, F.dropout, SDPA, the loss's logits in
-# the product's dtype): tests count the GPU's ops on a CPU so.
+# the product's dtype, beam search's add and topk): tests count the GPU's ops on a CPU so.
 CPU_PATHS = True
 
 

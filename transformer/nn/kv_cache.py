@@ -62,8 +62,9 @@ class Arena:
     Why: on a CPU a cache's buffers are tens of MB a layer, more than glibc keeps for reuse
     when freed (it returns blocks over 32 MB to the system), so every batch would write to
     fresh pages, and the first write to each 4 KB page is a page fault
-    (benchmarks/results/2026-11-28-zen4-decode/NOTES.md). One search at a time: a second
-    one at once would write into the first one's keys."""
+    (benchmarks/results/2026-11-28-zen4-decode/NOTES.md). Each block keeps the largest size
+    it was asked for until the arena is dropped. One search at a time: a second one at
+    once would write into the first one's keys."""
 
     def __init__(self):
         self._blocks: list[Tensor] = []
@@ -77,7 +78,7 @@ class Arena:
         """An uninitialised tensor of `shape`, with `like`'s dtype and device."""
         size = math.prod(shape)
         if self._next == len(self._blocks):
-            self._blocks.append(like.new_empty(0))
+            self._blocks.append(like.new_empty(size))
         block = self._blocks[self._next]
         if block.numel() < size or block.dtype != like.dtype or block.device != like.device:
             block = self._blocks[self._next] = like.new_empty(size)
