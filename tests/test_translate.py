@@ -178,6 +178,41 @@ def test_command_line_early_stop_option_sets_the_search_rule(model_file, tmp_pat
     assert hyp.read_text(encoding="utf-8").splitlines() == expected
 
 
+def test_command_line_keeps_one_arena_for_every_chunk(model_file, tmp_path, monkeypatch):
+    """The caches' memory (kv_cache.Arena) outlives a chunk of input: a pipe's lines may
+    come one chunk each, and a new arena per chunk would write fresh pages every line."""
+    src, hyp = tmp_path / "src.txt", tmp_path / "hyp.txt"
+    src.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+
+    class SmallReads:  # 40 bytes a read, and a chunk a read: a chunk or so a line
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def read(fd: int, n: int) -> bytes:
+            return os.read(fd, min(n, 40))
+
+    monkeypatch.setattr(translate_module, "os", SmallReads())
+    monkeypatch.setattr(translate_module, "CHUNK_BYTES", 16)
+    chunks, split = [], translate_module._chunks
+    monkeypatch.setattr(
+        translate_module, "_chunks", lambda *a: (chunks.append(c) or c for c in split(*a))
+    )
+    arenas, search = [], translate_module.beam_search
+    monkeypatch.setattr(
+        translate_module,
+        "beam_search",
+        lambda *a, **kw: arenas.append(kw["arena"]) or search(*a, **kw),
+    )
+    argv = ["--model", str(model_file), "--input", str(src), "--output", str(hyp)]
+    assert main([*argv, "--device", "cpu", "--batch-size", "1"]) == 0
+    assert len(chunks) > 2 and len(arenas) == sum(1 for line in LINES if line.strip())
+    assert len({id(a) for a in arenas}) == 1
+    model, sp, params = load_translator(model_file, "cpu")
+    expected = translate_lines(model, sp, LINES, params.decode, "cpu")
+    assert hyp.read_text(encoding="utf-8").splitlines() == expected
+
+
 def test_command_line_reads_stdin_and_writes_stdout(model_file):
     out = run_cli(["--model", str(model_file), "--beam", "2"], b"a house\n\nthe cat")
     assert out.returncode == 0, out.stderr.decode()

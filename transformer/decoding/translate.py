@@ -127,10 +127,13 @@ def translate_batches(
     n_best: int = 1,
     max_sentences: int | None = None,
     first_line: int = 1,
+    arena: Arena | None = None,
 ) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
     """Per batch, longest sentences first: the indices of its lines, and each line's best
     `n_best` hypotheses. Empty (or blank) lines are left out: they translate to ''.
-    `first_line`: the number of lines[0] in the input, for the warning about a cut line."""
+    `first_line`: the number of lines[0] in the input, for the warning about a cut line.
+    `arena`: the caches' memory (kv_cache.Arena) for a caller that calls again; by default
+    one for these lines' batches."""
     models = model if isinstance(model, list) else [model]
     todo = [i for i, line in enumerate(lines) if line.strip()]
     sources = sp.encode([lines[i] for i in todo], add_eos=True)
@@ -139,7 +142,7 @@ def translate_batches(
         log.warning("line %d: %d subwords, cut to the model's %d positions (model.max_positions)",
                     first_line + todo[j], len(sources[j]), cap)  # fmt: skip
         sources[j] = [*sources[j][: cap - 1], EOS]
-    arena = Arena()  # one batch's cache memory, the next batch's
+    arena = Arena() if arena is None else arena  # one batch's cache memory, the next's
     for batch in batch_by_tokens(sources, cfg.max_tokens, max_sentences):
         src = pad_batch([sources[j] for j in batch], device)
         yield [todo[j] for j in batch], _search(models, src, cfg, n_best, arena)
@@ -384,6 +387,7 @@ def _translate(models, sp, cfg, args, device, source: BinaryIO, out: BinaryIO) -
     name = "stdin" if args.input == "-" else args.input
     nbest, first = args.nbest is not None, 0  # first: the index of the chunk's first line
     progress = args.input != "-" and sys.stderr.isatty()  # not for a pipe, nor into a log
+    arena = Arena()  # for every chunk: a pipe's lines may come one at a time
     with tqdm(unit="sent", file=sys.stderr, disable=not progress) as bar:
         for lines in _chunks(source, name):
             blocks: list[bytes | None] = [
@@ -393,7 +397,7 @@ def _translate(models, sp, cfg, args, device, source: BinaryIO, out: BinaryIO) -
             written = _write_ready(out, blocks, 0, args.output)  # leading empty lines
             k = args.nbest or 1
             batches = translate_batches(
-                models, sp, lines, cfg, device, k, args.batch_size, first_line=first + 1
+                models, sp, lines, cfg, device, k, args.batch_size, first + 1, arena
             )
             for rows, hyps in batches:
                 for i, found in zip(rows, hyps, strict=True):
