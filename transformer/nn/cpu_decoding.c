@@ -8,8 +8,8 @@
  * Attention: why not two batched products (torch's bmm): a step multiplies thousands of
  * tiny matrices (a beam of 4 queries by 20-200 keys of 32-64 dimensions), where a BLAS
  * spends most of its time packing each one, and the scores make two more passes (mask,
- * softmax) between the products. Here each (sentence, head) block is one loop nest over keys already in
- * cache: scores, softmax and the weighted sum of values.
+ * softmax) between the products. Here each (sentence, head) block is one loop nest over
+ * keys already in cache: scores, softmax and the weighted sum of values.
  *
  * Arithmetic, fixed for every input (the static and the shrinking beam search agree
  * bitwise only if a row's result does not depend on which other keys or rows are there):
@@ -253,13 +253,8 @@ static void best_of_sentence(int64_t beams, int64_t V, int64_t k, const float *l
  * (log-softmax outputs, -inf where banned). `threads` > 1 splits the sentences. */
 void best_extensions(int64_t N, int64_t beams, int64_t V, int64_t k, int threads,
                      const float *lp, const float *scores, float *tv, int64_t *ti) {
-    if (threads <= 1 || N < 2 * threads) {
-        for (int64_t n = 0; n < N; n++)
-            best_of_sentence(beams, V, k, lp + n * beams * V, scores + n * beams, tv + n * k,
-                             ti + n * k);
-        return;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
+    (void)threads; /* without OpenMP */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N >= 2 * threads)
     for (int64_t n = 0; n < N; n++)
         best_of_sentence(beams, V, k, lp + n * beams * V, scores + n * beams, tv + n * k,
                          ti + n * k);

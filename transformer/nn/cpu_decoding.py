@@ -49,8 +49,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     mask broadcast to (B, h, M, L), additive or boolean (True: may attend; the encoder's,
     where a batch has a few source tokens); None where the kernel does not take these
     inputs (see the module docstring) or could not be built."""
-    lib, threads = library(), torch.get_num_threads()
-    if lib is None or (threads > 1 and not _parallel) or not _takes(q, k, v, mask):
+    lib, threads = _ready()
+    if lib is None or not _takes(q, k, v, mask):
         return None
     (b, h, m, d), n = q.shape, k.size(2)
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0]
@@ -78,8 +78,8 @@ def best_extensions(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Ten
     NaN (log-probabilities, -inf where banned): a NaN met once k are kept is passed over,
     where topk would rank it first. None where the kernel does not take these inputs or
     could not be built."""
-    lib, threads = library(), torch.get_num_threads()
-    if lib is None or (threads > 1 and not _parallel):
+    lib, threads = _ready()
+    if lib is None:
         return None
     (n, beams), (rows, vocab) = scores.shape, lprobs.shape
     f32 = torch.float32
@@ -99,6 +99,13 @@ def best_extensions(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Ten
         lprobs.data_ptr(), scores.data_ptr(), top.data_ptr(), index.data_ptr(),
     )  # fmt: skip
     return top, index
+
+
+def _ready() -> tuple[ctypes.CDLL | None, int]:
+    """The library and torch's threads, or None where it is not built or, built without
+    OpenMP, would run one thread where torch runs several."""
+    lib, threads = library(), torch.get_num_threads()
+    return (None if threads > 1 and not _parallel else lib), threads
 
 
 def _takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
