@@ -59,7 +59,7 @@ from torch import Tensor
 
 from transformer.nn import cpu_decoding
 from transformer.nn.attention import attention_context
-from transformer.nn.kernels import cpu_path
+from transformer.nn.kernels import c_path
 from transformer.nn.kv_cache import Arena, Shrink, StaticKVCache
 from transformer.tokens import BOS, EOS, PAD
 
@@ -635,17 +635,12 @@ def _expand(scores: Tensor, lprobs: Tensor, k: int) -> tuple[Tensor, Tensor, Ten
     """
     (n, beams), vocab = scores.shape, lprobs.size(-1)
     width = min(2 * k, beams * vocab)
-    best = cpu_decoding.best_extensions(lprobs, scores, width) if _in_c(lprobs) else None
+    best = cpu_decoding.best_extensions(lprobs, scores, width) if c_path(lprobs) else None
     if best is None:
         cand = lprobs.view(n, beams, vocab).add_(scores.unsqueeze(-1))  # (N, beams, V), in place
         best = cand.view(n, -1).topk(width, dim=1)  # (N, 2k), best first
     top, idx = best
     return top, idx // vocab, idx % vocab
-
-
-def _in_c(t: Tensor) -> bool:
-    # Compiled steps keep torch's ops: a call through ctypes cannot be traced.
-    return cpu_path(t) and not torch.compiler.is_compiling()
 
 
 def _live(eos: Tensor, k: int, ranks: dict[int, tuple[Tensor, Tensor]]) -> Tensor:

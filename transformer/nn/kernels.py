@@ -67,6 +67,13 @@ def cpu_path(t: Tensor) -> bool:
     return CPU_PATHS and t.device.type == "cpu"
 
 
+def c_path(t: Tensor) -> bool:
+    """Whether `t` may go to cpu_decoding's C kernels: a CPU path outside compiled code,
+    which keeps torch's ops (a call through ctypes cannot be traced, and a branch on a
+    shape would guard the graph on it: one more compilation for each side it takes)."""
+    return cpu_path(t) and not torch.compiler.is_compiling()
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., in) @ weight (out, in)^T + bias (out,): F.linear's contract. `weight` may be
     any strided view (a transpose, a slice): the loss passes W^T and activations as weights."""
@@ -155,11 +162,8 @@ def _onednn(x: Tensor, weight: Tensor) -> bool:
 
 
 def _few_queries(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    # Compiled code keeps SDPA: a branch on the query length would guard the graph on it,
-    # one more compilation for every length that crosses FEW_QUERIES.
     return (
-        not torch.compiler.is_compiling()
-        and cpu_path(q)
+        c_path(q)
         and q.dtype == torch.float32
         and q.size(-2) <= FEW_QUERIES
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
