@@ -1,5 +1,6 @@
 """transformer.nn.cpu_decoding: a decoding step's attention in C on a CPU is SDPA's result,
-the same bitwise wherever masked keys sit and however many threads run it; the beam's best
+the same bitwise wherever masked keys sit, however many threads run it and whether the keys
+come as rows or in tiles (the decoding cache's layout); the beam's best
 candidates in C are torch's add and topk; both decline what they were not built for;
 without a compiler (or with a failing one) decoding falls back to torch's ops with one
 warning; the build is cached; and beam search runs both at every step (attention at every
@@ -14,11 +15,12 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from test_search import Ending, batch
+from test_search import Ending, batch, real_sources, tiny_transformer
 
 from transformer.config import ModelConfig
 from transformer.decoding.search import beam_search
-from transformer.nn import cpu_decoding, kernels
+from transformer.nn import cpu_decoding, kernels, kv_cache
+from transformer.nn.kv_cache import Arena
 from transformer.nn.model import Transformer
 from transformer.tokens import BOS, EOS, PAD
 
@@ -106,6 +108,65 @@ def test_it_declines_what_it_was_not_built_for():
     assert cpu_decoding.attend(q.double(), k.double(), v.double(), None) is None
     assert cpu_decoding.attend(q, k.transpose(-2, -1).contiguous().mT, v, None) is None
     assert cpu_decoding.attend(q, k, v, additive(keep)[..., :1]) is None  # broadcast keys
+
+
+@pytest.mark.parametrize(
+    "d, m, n", [(8, 4, 5), (32, 4, 16), (32, 8, 37), (64, 1, 200), (20, 3, 33)]
+)
+def test_keys_in_tiles_give_what_rows_give_bitwise(d, m, n):
+    """The layout the decoding caches keep their keys in on a CPU (tile_keys): the results
+    of the same keys as rows, bitwise, in a larger buffer, whatever the lanes past the last
+    key hold."""
+    q, k, v = inputs(m=m, n=n, d=d)
+    mask = additive(torch.rand(3, 1, m, n, generator=torch.Generator().manual_seed(4)) < 0.6)
+    room = torch.full((3, 2, -(-n // 16) + 2, d, 16), float("nan"))
+    tiles = cpu_decoding.tile_keys(k, out=room)
+    room[:, :, (n - 1) // 16, :, (n - 1) % 16 + 1 :] = float("nan")  # no key there
+    assert tiles.shape == (3, 2, -(-n // 16), d, 16)
+    assert torch.equal(cpu_decoding.untile_keys(room, n), k)
+    got = cpu_decoding.attend(q, room, v, mask)
+    assert torch.equal(got, cpu_decoding.attend(q, k, v, mask))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_tiles_the_kernel_was_not_built_for_go_to_torch():
+    q, k, v = inputs(n=37)
+    tiles = cpu_decoding.tile_keys(k)
+    assert cpu_decoding.attend(q, tiles[:, :, :2], v, None) is None  # 32 keys, not 37
+    assert cpu_decoding.attend(q, tiles.transpose(-2, -1).contiguous().mT, v, None) is None
+    assert cpu_decoding.attend(q[..., :16], tiles, v[..., :16], None) is None  # d_k 32, not 16
+    many = torch.randn(3, 2, cpu_decoding.MAX_QUERIES + 1, 32)  # kernels.attention: rows again
+    want = F.scaled_dot_product_attention(many, k, v)
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.attention(many, tiles, v), want, rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_the_search_keeps_its_keys_in_tiles_and_finds_what_rows_find(monkeypatch):
+    """On a CPU the shrinking search's caches (self-attention's, growing, compacted, rows
+    dropped as sentences finish; the encoder-decoder keys) hand the kernel tiles, batch
+    after batch in one arena, and find bitwise what the same caches find with keys as rows."""
+    model, sources = tiny_transformer(slope=0.15), real_sources(8)
+    batches = [batch(*sources[:5]), batch(*sources)]
+    layouts, compactions, attend = [], [], cpu_decoding.attend
+    compact = kv_cache.SelfAttentionKV.compact
+    monkeypatch.setattr(
+        cpu_decoding, "attend", lambda q, k, *a: layouts.append(k.dim()) or attend(q, k, *a)
+    )
+    monkeypatch.setattr(
+        kv_cache.SelfAttentionKV,
+        "compact",
+        lambda self, slots: compactions.append(self.tiled) or compact(self, slots),
+    )
+    arena = Arena()
+    tiled = [beam_search(model, src, 4, 0.6, 1.0, 30, n_best=2, arena=arena) for src in batches]
+    assert set(layouts) == {5} and compactions and all(compactions)
+    assert len({len(h[0].tokens) for h in tiled[-1]}) > 2  # sentences leave the batch
+    monkeypatch.setattr(cpu_decoding, "reads_tiles", lambda t: False)
+    layouts.clear()
+    rows = [beam_search(model, src, 4, 0.6, 1.0, 30, n_best=2, arena=arena) for src in batches]
+    assert set(layouts) == {4} and rows == tiled
 
 
 @pytest.fixture

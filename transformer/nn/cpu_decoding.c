@@ -9,12 +9,16 @@
  * tiny matrices (a beam of 4 queries by 20-200 keys of 32-64 dimensions), where a BLAS
  * spends most of its time packing each one, and the scores make two more passes (mask,
  * softmax) between the products. Here each (sentence, head) block is one loop nest over
- * keys already in cache: scores, softmax and the weighted sum of values.
+ * keys already in cache: scores, softmax and the weighted sum of values. The scores take
+ * 16 keys at a time, one per lane, with one query element broadcast: that needs the 16
+ * keys transposed, (D, 16), which is how kv_cache stores the decoder's keys for this
+ * kernel (a tile); keys stored as rows are transposed a chunk at a time here. A dot
+ * product per key and a sum across lanes instead was 1.3-1.9x slower.
  *
  * Arithmetic, fixed for every input (the static and the shrinking beam search agree
  * bitwise only if a row's result does not depend on which other keys or rows are there):
- * - a score is the dot product of (scale * query) and one key, summed in the same tree
- *   whatever the key's position (reduce16);
+ * - a score is the dot product of (scale * query) and one key, summed over d in order in
+ *   the key's own lane, whatever the key's position and layout;
  * - exp is a polynomial (relative error ~1e-7); masked keys (-inf) weigh exactly 0;
  * - the weights' sum and the weighted sum of values run over the keys in order, so that a
  *   masked key adds exactly 0 wherever it sits. */
@@ -48,32 +52,6 @@ static inline void store(float *p, v16 x, int64_t n) {
     else memcpy(p, &x, (size_t)n * sizeof(float));
 }
 
-/* Lanes of a and b (0-15: a's, 16-31: b's), as GCC and Clang each spell it */
-#ifdef __clang__
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
-#endif
-/* Pairs of lanes added: the even pairs of a, the odd ones of b, then the same for blocks
- * of 2, 4 and 8 lanes (reduce16) */
-#define FOLD1(a, b) (SHUFFLE(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) + \
-                     SHUFFLE(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
-#define FOLD2(a, b) (SHUFFLE(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) + \
-                     SHUFFLE(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
-#define FOLD4(a, b) (SHUFFLE(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) + \
-                     SHUFFLE(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
-#define FOLD8(a, b) (SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) + \
-                     SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
-
-/* r[j] = the sum of p[j]'s lanes, for 16 vectors at once, by one tree for every j */
-static inline v16 reduce16(const v16 *p) {
-    v16 a[8], b[4], c[2];
-    for (int j = 0; j < 8; j++) a[j] = FOLD1(p[2 * j], p[2 * j + 1]);
-    for (int j = 0; j < 4; j++) b[j] = FOLD2(a[2 * j], a[2 * j + 1]);
-    for (int j = 0; j < 2; j++) c[j] = FOLD4(b[2 * j], b[2 * j + 1]);
-    return FOLD8(c[0], c[1]);
-}
-
 /* exp(x) for x <= 0 (scores minus their maximum): 2^n * poly(r), x = n ln2 + r; 0 below
  * -87 (where fp32's exp leaves the normal range) and at -inf, NaN for NaN */
 static inline v16 exp_nonpositive(v16 x) {
@@ -94,43 +72,61 @@ static inline v16 exp_nonpositive(v16 x) {
     return pick(low, splat(0.0f), p * two_n);
 }
 
-/* Blocks [first, last) of (sentence, head); `nd` vectors of d_k per row, the last one
- * holding `tail` floats (16 for a full one). Inlined per d_k below, so that the loops
- * over d_k unroll for the usual head sizes. */
+/* One chunk's scores for r (<= 4) queries: s[m][l0 .. l0 + 15] = sum over d, in order, of
+ * qv[m][d] * key(l0 + j)[d]; `kt` holds the chunk's 16 keys transposed (D rows of 16) */
+static inline __attribute__((always_inline)) void chunk_scores(
+    const int64_t r, const int64_t D, const float *kt, float (*qv)[MAXD * W], float *s,
+    int64_t Lp, int64_t l0) {
+    v16 acc[4];
+    for (int64_t m = 0; m < r; m++) acc[m] = qv[m][0] * *(const v16u *)kt;
+    for (int64_t d = 1; d < D; d++) {
+        const v16 kd = *(const v16u *)(kt + d * W);
+        for (int64_t m = 0; m < r; m++) acc[m] += qv[m][d] * kd;
+    }
+    for (int64_t m = 0; m < r; m++) *(v16u *)(s + m * Lp + l0) = acc[m];
+}
+
+/* Blocks [first, last) of (sentence, head), `D` floats per head. Keys `tiled`: chunks of 16
+ * keys stored transposed, (tiles, D, 16) per block, as kv_cache keeps them for this loop;
+ * else rows (L, D), transposed here a chunk at a time. Inlined per layout and head size. */
 static inline __attribute__((always_inline)) void blocks(
-    int64_t first, int64_t last, int64_t H, int64_t M, int64_t L, const int64_t nd,
-    const int64_t tail, float scale, const float *q, const float *k, const float *v,
+    int64_t first, int64_t last, int64_t H, int64_t M, int64_t L, const int64_t D,
+    const int tiled, float scale, const float *q, const float *k, const float *v,
     const float *mask, float *out, const int64_t *st) {
     const int64_t *qs = st, *ks = st + 3, *vs = st + 6, *ms = st + 9;
-    const int64_t Lp = (L + W - 1) / W * W, D = (nd - 1) * W + tail;
+    const int64_t Lp = (L + W - 1) / W * W, nd = (D + W - 1) / W, tail = D - (nd - 1) * W;
     float s[MAXM][Lp];
+    float qv[MAXM][MAXD * W];
+    float kt[MAXD * W * W] __attribute__((aligned(64)));
     for (int64_t bh = first; bh < last; bh++) {
         const int64_t b = bh / H, h = bh % H;
         const float *kb = k + b * ks[0] + h * ks[1], *vb = v + b * vs[0] + h * vs[1];
-        v16 qv[MAXM][MAXD], o[MAXM][MAXD];
-        float sum[MAXM];
         for (int64_t m = 0; m < M; m++)
-            for (int64_t i = 0; i < nd; i++) {
-                const float *qm = q + b * qs[0] + h * qs[1] + m * qs[2] + i * W;
-                qv[m][i] = load(qm, i == nd - 1 ? tail : W) * scale;
-            }
-        /* scores, 16 keys at a time */
+            for (int64_t d = 0; d < D; d++)
+                qv[m][d] = q[b * qs[0] + h * qs[1] + m * qs[2] + d] * scale;
+        /* scores, 16 keys at a time: for each, an FMA chain over d in one lane */
         for (int64_t l0 = 0; l0 < L; l0 += W) {
-            const int64_t n = L - l0 < W ? L - l0 : W;
-            for (int64_t m = 0; m < M; m++) {
-                v16 p[W];
-                for (int64_t j = 0; j < n; j++) {
-                    const float *kl = kb + (l0 + j) * ks[2];
-                    v16 acc = qv[m][0] * load(kl, nd == 1 ? tail : W);
-                    for (int64_t i = 1; i < nd; i++)
-                        acc += qv[m][i] * load(kl + i * W, i == nd - 1 ? tail : W);
-                    p[j] = acc;
-                }
-                for (int64_t j = n; j < W; j++) p[j] = splat(0.0f);
-                store(&s[m][l0], reduce16(p), W);
+            const float *chunk = kb + l0 / W * ks[2];
+            if (!tiled) {
+                const int64_t n = L - l0 < W ? L - l0 : W;
+                for (int64_t j = 0; j < n; j++)
+                    for (int64_t d = 0; d < D; d++) kt[d * W + j] = kb[(l0 + j) * ks[2] + d];
+                chunk = kt;
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int64_t r = M - m0 < 4 ? M - m0 : 4;
+                float (*qm)[MAXD * W] = qv + m0;
+                float *sm = &s[m0][0];
+                if (r == 4) chunk_scores(4, D, chunk, qm, sm, Lp, l0);
+                else if (r == 1) chunk_scores(1, D, chunk, qm, sm, Lp, l0);
+                else if (r == 2) chunk_scores(2, D, chunk, qm, sm, Lp, l0);
+                else chunk_scores(3, D, chunk, qm, sm, Lp, l0);
             }
         }
-        /* mask, softmax's weights (unnormalised) */
+        /* mask, softmax's weights (unnormalised); lanes past L (a tile's unwritten keys,
+         * whatever they hold) set to -inf, weight 0 */
+        v16 o[MAXM][MAXD];
+        float sum[MAXM];
         for (int64_t m = 0; m < M; m++) {
             if (mask) {
                 const float *mk = mask + b * ms[0] + h * ms[1] + m * ms[2];
@@ -152,10 +148,11 @@ static inline __attribute__((always_inline)) void blocks(
         /* the weighted sum of values, key by key: each value row read once for all queries */
         for (int64_t l = 0; l < L; l++) {
             const float *vl = vb + l * vs[2];
+            v16 vv[MAXD];
+            for (int64_t i = 0; i < nd; i++) vv[i] = load(vl + i * W, i == nd - 1 ? tail : W);
             for (int64_t m = 0; m < M; m++) {
                 const float w = s[m][l];
-                for (int64_t i = 0; i < nd; i++)
-                    o[m][i] += w * load(vl + i * W, i == nd - 1 ? tail : W);
+                for (int64_t i = 0; i < nd; i++) o[m][i] += w * vv[i];
                 sum[m] += w;
             }
         }
@@ -168,31 +165,40 @@ static inline __attribute__((always_inline)) void blocks(
 }
 
 static void range(int64_t first, int64_t last, int64_t H, int64_t M, int64_t L, int64_t D,
-                  float scale, const float *q, const float *k, const float *v,
+                  int tiled, float scale, const float *q, const float *k, const float *v,
                   const float *mask, float *out, const int64_t *st) {
-    const int64_t nd = (D + W - 1) / W, tail = D - (nd - 1) * W;
-    if (D == 32) blocks(first, last, H, M, L, 2, W, scale, q, k, v, mask, out, st);
-    else if (D == 64) blocks(first, last, H, M, L, 4, W, scale, q, k, v, mask, out, st);
-    else if (D == 128) blocks(first, last, H, M, L, 8, W, scale, q, k, v, mask, out, st);
-    else blocks(first, last, H, M, L, nd, tail, scale, q, k, v, mask, out, st);
+#define BLOCKS(d, t) blocks(first, last, H, M, L, d, t, scale, q, k, v, mask, out, st)
+    if (tiled) {
+        if (D == 32) BLOCKS(32, 1);
+        else if (D == 64) BLOCKS(64, 1);
+        else BLOCKS(D, 1);
+    } else {
+        if (D == 32) BLOCKS(32, 0);
+        else if (D == 64) BLOCKS(64, 0);
+        else BLOCKS(D, 0);
+    }
+#undef BLOCKS
 }
 
-/* q (B, H, M, D); k, v (B, H, L, D); mask (B, H, M, L) additive, or NULL; out (B, H, M, D)
- * contiguous. `st`: the strides (in floats) of q, k and v's first three dimensions, then
- * the mask's four (0 where broadcast); the last dimension of each is contiguous.
+/* q (B, H, M, D); v (B, H, L, D); k (B, H, L, D) rows, or with `tiled` (B, H, ceil(L / 16),
+ * D, 16), chunks of 16 keys transposed; mask (B, H, M, L) additive, or NULL; out
+ * (B, H, M, D) contiguous. `st`: the strides (in floats) of q's, k's and v's first three
+ * dimensions (k tiled: of a tile), then the mask's four (0 where broadcast); the last
+ * dimension of each is contiguous, and a tiled k's (D, 16) tiles too.
  * M <= MAXM, D <= MAXD * 16. `threads` > 1 splits the blocks among OpenMP threads where
  * the library was built with OpenMP (cpu_decoding.py links the one torch runs). */
-void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, float scale, int threads,
-            const float *q, const float *k, const float *v, const float *mask, float *out,
-            const int64_t *st) {
+void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, float scale,
+            int threads, const float *q, const float *k, const float *v, const float *mask,
+            float *out, const int64_t *st) {
     const int64_t n = B * H;
     if (threads <= 1 || n < 2 * threads) {
-        range(0, n, H, M, L, D, scale, q, k, v, mask, out, st);
+        range(0, n, H, M, L, D, tiled, scale, q, k, v, mask, out, st);
         return;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++)
-        range(n * t / threads, n * (t + 1) / threads, H, M, L, D, scale, q, k, v, mask, out, st);
+        range(n * t / threads, n * (t + 1) / threads, H, M, L, D, tiled, scale, q, k, v, mask,
+              out, st);
 }
 
 /* Beam search's candidates: each sentence's best k of its beams x V extensions, a beam's

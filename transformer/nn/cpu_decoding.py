@@ -17,6 +17,12 @@ an add and topk; the same results to rounding (topk: the same, ties aside), slow
 `attend` declines (returns None) what it was not built for: other dtypes, more than
 MAX_QUERIES queries or MAX_HEAD dimensions per head, a last dimension that is not contiguous,
 a mask broadcast along the keys. `best_extensions` declines anything but contiguous fp32.
+
+Keys in tiles: `attend` reads keys as rows (..., L, d_k), or, faster, as `tile_keys` lays
+them out: 16 keys at a time transposed, (..., ceil(L / 16), d_k, 16), the layout its score
+loop reads (cpu_decoding.c says why). The decoder's caches keep their keys so wherever
+`reads_tiles` says this kernel will read them (kv_cache.py); `untile_keys` gives rows back
+for any other reader.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 MAX_QUERIES, MAX_HEAD, MAX_KEYS = 8, 128, 1 << 14  # as the C source's MAXM, MAXD; stack room
+TILE = 16  # keys per tile: the C source's lanes, W
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared"]
 
 _library: ctypes.CDLL | None = None
@@ -45,14 +53,14 @@ _tried = False
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
-    """softmax(q k^T / sqrt(d_k) + mask) v for q (B, h, M, d_k), k, v (B, h, L, d_k) and a
-    mask broadcast to (B, h, M, L), additive or boolean (True: may attend; the encoder's,
-    where a batch has a few source tokens); None where the kernel does not take these
-    inputs (see the module docstring) or could not be built."""
+    """softmax(q k^T / sqrt(d_k) + mask) v for q (B, h, M, d_k), k, v (B, h, L, d_k) (k may
+    be in tiles: `tile_keys`) and a mask broadcast to (B, h, M, L), additive or boolean
+    (True: may attend; the encoder's, where a batch has a few source tokens); None where
+    the kernel does not take these inputs (see the module docstring) or could not be built."""
     lib, threads = _ready()
     if lib is None or not _takes(q, k, v, mask):
         return None
-    (b, h, m, d), n = q.shape, k.size(2)
+    (b, h, m, d), n, tiled = q.shape, v.size(2), k.dim() == 5
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0]
     if mask is not None:
         if mask.dtype == torch.bool:  # additive
@@ -61,7 +69,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
         strides[9:] = mask.stride()
     out = q.new_empty(b, h, m, d)
     lib.attend(
-        b, h, m, n, d, d**-0.5, threads,
+        b, h, m, n, d, tiled, d**-0.5, threads,
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
         None if mask is None else mask.data_ptr(), out.data_ptr(),
         (ctypes.c_int64 * 13)(*strides),
@@ -101,6 +109,32 @@ def best_extensions(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Ten
     return top, index
 
 
+def reads_tiles(t: Tensor) -> bool:
+    """Whether `attend` can read keys like `t` (..., d_k) in tiles: the library is built for
+    these threads, and t is fp32 on a CPU path outside compiled code (kernels.c_path)."""
+    from transformer.nn.kernels import c_path  # kernels imports this module
+
+    fits = t.dtype == torch.float32 and t.size(-1) <= MAX_HEAD
+    return fits and c_path(t) and _ready()[0] is not None
+
+
+def tile_keys(k: Tensor, out: Tensor | None = None) -> Tensor:
+    """Keys k (..., L, d_k) -> (..., ceil(L / 16), d_k, 16): slot l in tile l // 16, lane
+    l % 16 (the lanes past L zero); into `out` (its first tiles) where given."""
+    n = k.size(-2)
+    tiles = -(-n // TILE)
+    rows = F.pad(k, (0, 0, 0, tiles * TILE - n)) if n % TILE else k
+    tiled = rows.unflatten(-2, (tiles, TILE)).transpose(-2, -1)
+    if out is None:
+        return tiled.contiguous()
+    return out[..., :tiles, :, :].copy_(tiled)
+
+
+def untile_keys(k: Tensor, n: int) -> Tensor:
+    """The first n keys of tiles k (..., tiles, d_k, 16) as rows (..., n, d_k), a copy."""
+    return k.transpose(-2, -1).flatten(-3, -2)[..., :n, :]
+
+
 def _ready() -> tuple[ctypes.CDLL | None, int]:
     """The library and torch's threads, or None where it is not built or, built without
     OpenMP, would run one thread where torch runs several."""
@@ -109,15 +143,21 @@ def _ready() -> tuple[ctypes.CDLL | None, int]:
 
 
 def _takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
+    if q.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
         return False
-    (m, d), (n, d_k) = q.shape[2:], k.shape[2:]
-    if not (d == d_k <= MAX_HEAD and m <= MAX_QUERIES and 0 < n <= MAX_KEYS):
+    (m, d), (n, d_v) = q.shape[2:], v.shape[2:]
+    if not (d == d_v <= MAX_HEAD and m <= MAX_QUERIES and 0 < n <= MAX_KEYS):
         return False
     f32 = torch.float32
     if not (q.dtype == k.dtype == v.dtype == f32 and q.device.type == k.device.type == "cpu"):
         return False
-    if d > 1 and not (q.stride(3) == k.stride(3) == v.stride(3) == 1):  # rows contiguous
+    if k.dim() == 5:  # tiles (..., >= ceil(L / 16), d_k, 16), each contiguous
+        tiles = k.shape[2:] == (k.size(2), d, TILE) and k.size(2) * TILE >= n
+        if not (tiles and k.stride(4) == 1 and k.stride(3) == TILE):
+            return False
+    elif k.shape != v.shape:
+        return False
+    if d > 1 and not (q.stride(3) == k.stride(-1) == v.stride(3) == 1):  # rows contiguous
         return False
     return mask is None or (
         mask.dtype in (f32, torch.bool)
@@ -166,7 +206,7 @@ def _load() -> tuple[ctypes.CDLL, bool]:
             error = str(e)
             continue
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.attend.argtypes = [i64] * 5 + [ctypes.c_float, ctypes.c_int] + [ptr] * 6
+        lib.attend.argtypes = [i64] * 5 + [ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ptr] * 6
         lib.best_extensions.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 4
         lib.attend.restype = lib.best_extensions.restype = None
         return lib, bool(openmp)

@@ -116,7 +116,11 @@ def attention(
 ) -> Tensor:
     """F.scaled_dot_product_attention's contract (q (..., L, d), k, v (..., S, d); `mask`
     broadcast to (..., L, S): boolean, True = may attend, or added to the scores), without
-    its `scale` argument."""
+    its `scale` argument; k may also be in tiles (..., S / 16, d, 16), cpu_decoding.tile_keys."""
+    if k.dim() == 5:  # keys in tiles (a decoding cache's on a CPU): cpu_decoding's layout
+        if _few_queries(q, k, v) and (out := cpu_decoding.attend(q, k, v, mask)) is not None:
+            return out
+        k = cpu_decoding.untile_keys(k, v.size(-2))  # for any other kernel
     if cpu_path(q) and q.dtype == torch.bfloat16:
         # CPU bf16 autocast (training): torch's bf16 attention backward on a CPU is ~8x
         # slower than fp32's on these shapes (Zen 4), and the products around it, not

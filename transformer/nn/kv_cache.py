@@ -2,6 +2,11 @@
 `decode()` computes only its new positions, and beam search reorders hypotheses by moving
 small masks, not keys and values.
 
+On a CPU, where cpu_decoding's attention kernel reads them, keys are kept in tiles of 16
+keys transposed, the layout its score loop reads: KVCache's self-attention keys
+(SelfAttentionKV) and every cache's encoder-decoder keys (`stored_keys`). StaticKVCache's
+self-attention keys stay rows (the kernel transposes them as it reads).
+
 - `KVCache` grows and shrinks: when sentences leave the batch (`Shrink`), the rows of those
   that stay move only where a sentence that left makes room, and it drops the slots no
   hypothesis sees any more now and then.
@@ -22,6 +27,16 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from transformer.nn import cpu_decoding
+from transformer.nn.cpu_decoding import TILE
+
+
+def stored_keys(k: Tensor) -> Tensor:
+    """Keys (B', h, S, d_k) as a decoding cache keeps them: in tiles where cpu_decoding's
+    attention kernel reads them (its fastest layout: cpu_decoding.tile_keys), else as they
+    are."""
+    return cpu_decoding.tile_keys(k) if cpu_decoding.reads_tiles(k) else k
 
 
 class Shrink:
@@ -196,40 +211,71 @@ class SelfAttentionKV:
     its KVCache assigns. Keys first, then values: the filled slots of each are then a view
     whose (B', h) dimensions merge into one batch dimension, which the attention's batched
     products take as it is (with keys and values interleaved per row they copied every
-    filled slot at every step). Dropping rows moves only the rows that fill a hole (`Shrink`);
-    dropping slots moves the slots kept to the front of their rows."""
+    filled slot at every step). Where cpu_decoding's attention kernel reads them (`tiled`:
+    cpu_decoding.reads_tiles), the keys' half holds them in its tiles instead, (B', h,
+    slots / 16, d_k, 16), the layout that kernel's score loop reads, and slots come in
+    whole tiles. Dropping rows moves only the rows that fill a hole (`Shrink`); dropping
+    slots moves the slots kept to the front of their rows."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
         self.kv: Tensor | None = None
+        self.tiled = False
 
     @property
     def mask(self) -> Tensor:
         return self.cache.mask
 
     def extend(self, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new positions' keys and values kv (2, B, h, T, d_k), in one copy;
-        return those of all filled slots."""
+        """Store the new positions' keys and values kv (2, B, h, T, d_k); return those of all
+        filled slots: keys (B', h, slots, d_k), or in tiles (B', h, tiles, d_k, 16), and
+        values (B', h, slots, d_k)."""
         c, (_, b, h, t, d_k) = self.cache, kv.shape
+        if self.kv is None:
+            self.tiled = cpu_decoding.reads_tiles(kv)
         if self.kv is None or self.kv.size(3) < c.visible.size(1):
-            shape = (2, b // c.group, h, c.visible.size(1), d_k)
-            room = kv.new_empty(shape) if c.arena is None else c.arena.take(shape, kv)
-            self._grow(room, c.filled - t * c.group)
-        new = self.kv[:, :, :, c.filled - t * c.group : c.filled].unflatten(3, (t, c.group))
-        new.copy_(kv.unflatten(1, (-1, c.group)).permute(0, 1, 3, 4, 2, 5))  # (2, B', h, T, g, d_k)
-        return self.kv[0, :, :, : c.filled], self.kv[1, :, :, : c.filled]  # (B', h, slots, d_k)
+            room = -(-c.visible.size(1) // TILE) * TILE if self.tiled else c.visible.size(1)
+            shape = (2, b // c.group, h, room, d_k)
+            fresh = kv.new_empty(shape) if c.arena is None else c.arena.take(shape, kv)
+            self._grow(fresh, c.filled - t * c.group)
+        start = c.filled - t * c.group
+        new = kv.unflatten(1, (-1, c.group)).permute(0, 1, 3, 4, 2, 5)  # (2, B', h, T, g, d_k)
+        if not self.tiled:
+            self.kv[:, :, :, start : c.filled].unflatten(3, (t, c.group)).copy_(new)
+            return self.kv[0, :, :, : c.filled], self.kv[1, :, :, : c.filled]
+        self.kv[1, :, :, start : c.filled].unflatten(2, (t, c.group)).copy_(new[1])
+        keys = self.keys()  # (B', h, tiles, d_k, 16)
+        slots = keys.transpose(3, 4)  # (B', h, tiles, 16, d_k): a slot's key, 16 apart
+        new_keys = new[0].flatten(2, 3)  # (B', h, T * g, d_k)
+        first = start
+        while first < c.filled:  # a copy per tile the new slots reach: one, mostly
+            tile, lane = divmod(first, TILE)
+            n = min(TILE - lane, c.filled - first)
+            slots[:, :, tile, lane : lane + n] = new_keys[:, :, first - start : first - start + n]
+            first += n
+        return keys[:, :, : -(-c.filled // TILE)], self.kv[1, :, :, : c.filled]
+
+    def keys(self) -> Tensor:
+        """The keys' half as tiles (B', h, slots / 16, d_k, 16) (`tiled` only)."""
+        b, h, room, d_k = self.kv.shape[1:]
+        return self.kv[0].view(b, h, room // TILE, d_k, TILE)
+
+    def _written(self, filled: int) -> int:
+        """The slots to move with the first `filled`: whole tiles where tiled."""
+        return -(-filled // TILE) * TILE if self.tiled else filled
 
     def _grow(self, kv: Tensor, filled: int) -> None:
         """Move to the larger `kv` with the `filled` slots in use, not the whole old buffer
         (at beam search's second step: the first step's one slot, not its reservation)."""
         if self.kv is not None:
-            kv[:, :, :, :filled] = self.kv[:, :, :, :filled]
+            n = self._written(filled)
+            kv[:, :, :, :n] = self.kv[:, :, :, :n]
         self.kv = kv
 
     def keep(self, shrink: Shrink) -> None:
         """Keep the source rows `shrink.kept`: only their filled slots move, and only theirs
         that fill a hole."""
-        shrink.apply(self.kv[:, :, :, : self.cache.filled], dim=1)
+        shrink.apply(self.kv[:, :, :, : self._written(self.cache.filled)], dim=1)
         self.kv = self.kv.narrow(1, 0, shrink.kept.numel())
 
     def compact(self, slots: Tensor) -> None:
@@ -241,9 +287,19 @@ class SelfAttentionKV:
         # first copy the whole buffer to make them one.
         heads = torch.arange(b * h, device=slots.device).view(b, h, 1) * room
         vectors = (heads + slots[:, None, :]).flatten()  # (B' * h * n,)
-        for half in self.kv:  # (B', h, room, d_k), contiguous
-            kept = half.flatten(0, 2).index_select(0, vectors)  # a copy: (B' * h * n, d_k)
-            half[:, :, :n] = kept.view(b, h, n, d_k)
+        values = self.kv[1]  # (B', h, room, d_k), contiguous
+        kept = values.flatten(0, 2).index_select(0, vectors)  # a copy: (B' * h * n, d_k)
+        values[:, :, :n] = kept.view(b, h, n, d_k)
+        if not self.tiled:
+            keys = self.kv[0]
+            keys[:, :, :n] = keys.flatten(0, 2).index_select(0, vectors).view(b, h, n, d_k)
+            return
+        tiles = self.keys()
+        rows = torch.arange(b, device=slots.device)[:, None, None]
+        heads = torch.arange(h, device=slots.device)[None, :, None]
+        at = slots[:, None, :]  # (B', 1, n)
+        kept = tiles.transpose(3, 4)[rows, heads, at // TILE, at % TILE]  # a copy: (B', h, n, d_k)
+        cpu_decoding.tile_keys(kept, out=tiles)
 
 
 # The memory-efficient attention kernel (CUDA) pads, at every call, a mask whose strides but

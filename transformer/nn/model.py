@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from transformer.config import ModelConfig
 from transformer.nn.kernels import Dropout, Linear, attention, linear
-from transformer.nn.kv_cache import Arena, KVCache, SelfAttentionKV
+from transformer.nn.kv_cache import Arena, KVCache, SelfAttentionKV, stored_keys
 
 
 def sinusoidal(pos: Tensor, d_model: int) -> Tensor:
@@ -87,7 +87,7 @@ class MultiHeadAttention(nn.Module):
             return q, cache["k"], cache["v"]
         k, v = self._heads(linear(memory, w[d:], b[d:]))  # 2 x (B', h, S, d_k)
         if cache is not None:  # contiguous once, rather than copied by each step's products
-            k, v = k.contiguous(), v.contiguous()
+            k, v = stored_keys(k.contiguous()), v.contiguous()
             cache.update(k=k, v=v)
         return q, k, v
 
