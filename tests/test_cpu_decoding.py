@@ -119,10 +119,11 @@ def test_keys_in_tiles_give_what_rows_give_bitwise(d, m, n):
     key hold."""
     q, k, v = inputs(m=m, n=n, d=d)
     mask = additive(torch.rand(3, 1, m, n, generator=torch.Generator().manual_seed(4)) < 0.6)
-    room = torch.full((3, 2, -(-n // 16) + 2, d, 16), float("nan"))
-    tiles = cpu_decoding.tile_keys(k, out=room)
-    room[:, :, (n - 1) // 16, :, (n - 1) % 16 + 1 :] = float("nan")  # no key there
+    tiles = cpu_decoding.tile_keys(k)
     assert tiles.shape == (3, 2, -(-n // 16), d, 16)
+    room = torch.full((3, 2, tiles.size(2) + 2, d, 16), float("nan"))  # no key there
+    room[:, :, : tiles.size(2)] = tiles
+    room[:, :, (n - 1) // 16, :, (n - 1) % 16 + 1 :] = float("nan")
     assert torch.equal(cpu_decoding.untile_keys(room, n), k)
     got = cpu_decoding.attend(q, room, v, mask)
     assert torch.equal(got, cpu_decoding.attend(q, k, v, mask))
@@ -140,6 +141,22 @@ def test_tiles_the_kernel_was_not_built_for_go_to_torch():
     want = F.scaled_dot_product_attention(many, k, v)
     with torch.no_grad():
         torch.testing.assert_close(kernels.attention(many, tiles, v), want, rtol=1e-5, atol=1e-6)
+
+
+def test_keys_move_into_and_within_their_tiles():
+    """put_keys writes new keys (rows, any strides) into their slots; keep_keys moves each
+    row's kept slots to the front in place, as a compaction of the cache does: used slots
+    in order, then unused ones (whose keys no row reads)."""
+    k = torch.randn(3, 2, 40, 8)
+    tiles = torch.full((3, 2, 4, 8, 16), float("nan"))
+    cpu_decoding.put_keys(tiles, k[:, :, :21], 0)
+    cpu_decoding.put_keys(tiles, k.transpose(0, 1).contiguous().transpose(0, 1)[:, :, 21:], 21)
+    assert torch.equal(cpu_decoding.untile_keys(tiles, 40), k)
+    used = torch.tensor([[0, 3, 17, 18, 33, 39], [5, 6, 7, 20, 21, 22], [1, 2, 30, 0, 3, 4]])
+    cpu_decoding.keep_keys(tiles, used)
+    moved = cpu_decoding.untile_keys(tiles, 6)
+    assert torch.equal(moved[:2], k[torch.arange(2)[:, None], :, used[:2]].transpose(1, 2))
+    assert torch.equal(moved[2, :, :3], k[2, :, [1, 2, 30]])  # its last three: unused
 
 
 @torch.no_grad()

@@ -201,6 +201,44 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, fl
               out, st);
 }
 
+/* Keys in tiles (B, H, tiles, D, 16), a tile's (D, 16) contiguous, `ts` the strides of
+ * B and H (in floats): slot s of a row is lane s % 16 of tile s / 16, D floats 16 apart.
+ * put_keys: keys as rows (B, H, n, D), `rs` the strides of B, H and n, into slots
+ * start .. start + n - 1. keep_keys: slot from[b][j] into slot j, for j < n, in place, j
+ * ascending: right wherever from[b][j] >= j, and elsewhere (kv_cache: slots no row sees)
+ * a key of the row all the same. `threads` > 1 splits the (B, H) rows. */
+void put_keys(int64_t B, int64_t H, int64_t n, int64_t D, int64_t start, int threads,
+              const float *rows, const int64_t *rs, float *tiles, const int64_t *ts) {
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && B * H >= 2 * threads)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H;
+        float *t = tiles + b * ts[0] + h * ts[1];
+        for (int64_t j = 0; j < n; j++) {
+            const float *r = rows + b * rs[0] + h * rs[1] + j * rs[2];
+            float *slot = t + (start + j) / W * D * W + (start + j) % W;
+            for (int64_t d = 0; d < D; d++) slot[d * W] = r[d];
+        }
+    }
+}
+
+void keep_keys(int64_t B, int64_t H, int64_t n, int64_t D, int threads, const int64_t *from,
+               float *tiles, const int64_t *ts) {
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && B * H >= 2 * threads)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H;
+        float *t = tiles + b * ts[0] + h * ts[1];
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t s = from[b * n + j];
+            if (s == j) continue;
+            float *to = t + j / W * D * W + j % W;
+            const float *at = t + s / W * D * W + s % W;
+            for (int64_t d = 0; d < D; d++) to[d * W] = at[d * W];
+        }
+    }
+}
+
 /* Beam search's candidates: each sentence's best k of its beams x V extensions, a beam's
  * score added to its row of log-probabilities (in fp32, as torch's add), sorted by value
  * and among equal values by position (beam * V + token).

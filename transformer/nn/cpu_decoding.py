@@ -118,16 +118,38 @@ def reads_tiles(t: Tensor) -> bool:
     return fits and c_path(t) and _ready()[0] is not None
 
 
-def tile_keys(k: Tensor, out: Tensor | None = None) -> Tensor:
+def tile_keys(k: Tensor) -> Tensor:
     """Keys k (..., L, d_k) -> (..., ceil(L / 16), d_k, 16): slot l in tile l // 16, lane
-    l % 16 (the lanes past L zero); into `out` (its first tiles) where given."""
+    l % 16 (the lanes past L zero)."""
     n = k.size(-2)
     tiles = -(-n // TILE)
     rows = F.pad(k, (0, 0, 0, tiles * TILE - n)) if n % TILE else k
-    tiled = rows.unflatten(-2, (tiles, TILE)).transpose(-2, -1)
-    if out is None:
-        return tiled.contiguous()
-    return out[..., :tiles, :, :].copy_(tiled)
+    return rows.unflatten(-2, (tiles, TILE)).transpose(-2, -1).contiguous()
+
+
+def put_keys(tiles: Tensor, rows: Tensor, start: int) -> None:
+    """Keys rows (B, h, n, d_k) into slots start .. start + n - 1 of tiles (B, h, tiles,
+    d_k, 16) (the library is built: `reads_tiles` said so)."""
+    (b, h, n, d), (lib, threads) = rows.shape, _ready()
+    assert rows.stride(3) == 1 and tiles.stride(4) == 1 and tiles.stride(3) == TILE
+    assert tiles.stride(2) == d * TILE and (start + n) <= tiles.size(2) * TILE
+    lib.put_keys(
+        b, h, n, d, start, threads,
+        rows.data_ptr(), (ctypes.c_int64 * 3)(*rows.stride()[:3]),
+        tiles.data_ptr(), (ctypes.c_int64 * 2)(*tiles.stride()[:2]),
+    )  # fmt: skip
+
+
+def keep_keys(tiles: Tensor, slots: Tensor) -> None:
+    """Slot slots[b, j] of each row of tiles (B, h, tiles, d_k, 16) into slot j, in place;
+    where slots[b, j] < j (slots that no row sees, kv_cache) slot j gets some key of its row."""
+    (b, h, _, d, _), (lib, threads) = tiles.shape, _ready()
+    assert tiles.stride(4) == 1 and tiles.stride(3) == TILE and tiles.stride(2) == d * TILE
+    slots = slots.contiguous()
+    lib.keep_keys(
+        b, h, slots.size(1), d, threads, slots.data_ptr(),
+        tiles.data_ptr(), (ctypes.c_int64 * 2)(*tiles.stride()[:2]),
+    )  # fmt: skip
 
 
 def untile_keys(k: Tensor, n: int) -> Tensor:
@@ -208,7 +230,10 @@ def _load() -> tuple[ctypes.CDLL, bool]:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.attend.argtypes = [i64] * 5 + [ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ptr] * 6
         lib.best_extensions.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 4
+        lib.put_keys.argtypes = [i64] * 5 + [ctypes.c_int] + [ptr] * 4
+        lib.keep_keys.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 3
         lib.attend.restype = lib.best_extensions.restype = None
+        lib.put_keys.restype = lib.keep_keys.restype = None
         return lib, bool(openmp)
     raise OSError(f"{cc} failed: {error.strip()}")
 

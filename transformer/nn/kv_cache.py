@@ -245,14 +245,7 @@ class SelfAttentionKV:
             return self.kv[0, :, :, : c.filled], self.kv[1, :, :, : c.filled]
         self.kv[1, :, :, start : c.filled].unflatten(2, (t, c.group)).copy_(new[1])
         keys = self.keys()  # (B', h, tiles, d_k, 16)
-        slots = keys.transpose(3, 4)  # (B', h, tiles, 16, d_k): a slot's key, 16 apart
-        new_keys = new[0].flatten(2, 3)  # (B', h, T * g, d_k)
-        first = start
-        while first < c.filled:  # a copy per tile the new slots reach: one, mostly
-            tile, lane = divmod(first, TILE)
-            n = min(TILE - lane, c.filled - first)
-            slots[:, :, tile, lane : lane + n] = new_keys[:, :, first - start : first - start + n]
-            first += n
+        cpu_decoding.put_keys(keys, new[0].flatten(2, 3), start)  # (B', h, T * g, d_k)
         return keys[:, :, : -(-c.filled // TILE)], self.kv[1, :, :, : c.filled]
 
     def keys(self) -> Tensor:
@@ -294,12 +287,9 @@ class SelfAttentionKV:
             keys = self.kv[0]
             keys[:, :, :n] = keys.flatten(0, 2).index_select(0, vectors).view(b, h, n, d_k)
             return
-        tiles = self.keys()
-        rows = torch.arange(b, device=slots.device)[:, None, None]
-        heads = torch.arange(h, device=slots.device)[None, :, None]
-        at = slots[:, None, :]  # (B', 1, n)
-        kept = tiles.transpose(3, 4)[rows, heads, at // TILE, at % TILE]  # a copy: (B', h, n, d_k)
-        cpu_decoding.tile_keys(kept, out=tiles)
+        # In place: a row's used slots keep their order, so each moves to an earlier slot
+        # or stays (`_compact` puts the unused ones, which no row sees, after them).
+        cpu_decoding.keep_keys(self.keys(), slots)
 
 
 # The memory-efficient attention kernel (CUDA) pads, at every call, a mask whose strides but
