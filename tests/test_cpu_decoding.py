@@ -96,6 +96,11 @@ def test_threads_split_the_blocks_not_the_sums(monkeypatch):
         one = cpu_decoding.attend(q, k, v, mask)
         torch.set_num_threads(3)
         assert torch.equal(cpu_decoding.attend(q, k, v, mask), one)
+        tiles = torch.zeros(16, 2, 3, 32, 16)  # written and moved by 3 threads
+        cpu_decoding.put_keys(tiles, k, 0)
+        assert torch.equal(cpu_decoding.attend(q, tiles, v, mask), one)
+        cpu_decoding.keep_keys(tiles, torch.arange(1, 40).expand(16, 39))
+        assert torch.equal(cpu_decoding.untile_keys(tiles, 39), k[:, :, 1:])
     finally:
         torch.set_num_threads(threads)
 

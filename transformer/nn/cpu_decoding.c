@@ -210,7 +210,8 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, fl
 void put_keys(int64_t B, int64_t H, int64_t n, int64_t D, int64_t start, int threads,
               const float *rows, const int64_t *rs, float *tiles, const int64_t *ts) {
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && B * H >= 2 * threads)
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (threads > 1 && B * H >= 2 * threads)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H;
         float *t = tiles + b * ts[0] + h * ts[1];
@@ -225,7 +226,8 @@ void put_keys(int64_t B, int64_t H, int64_t n, int64_t D, int64_t start, int thr
 void keep_keys(int64_t B, int64_t H, int64_t n, int64_t D, int threads, const int64_t *from,
                float *tiles, const int64_t *ts) {
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && B * H >= 2 * threads)
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (threads > 1 && B * H >= 2 * threads)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H;
         float *t = tiles + b * ts[0] + h * ts[1];
