@@ -367,7 +367,9 @@ def test_without_avx512_the_portable_loops_give_the_same(fresh, monkeypatch):
     q, k, v = inputs(n=45)
     mask = additive(torch.rand(3, 1, 4, 45, generator=torch.Generator().manual_seed(3)) < 0.5)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    torch.testing.assert_close(cpu_decoding.attend(q, k, v, mask), want, rtol=1e-5, atol=1e-6)
+    got = cpu_decoding.attend(q, k, v, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(cpu_decoding.attend(q, cpu_decoding.tile_keys(k), v, mask), got)
 
 
 def test_an_openmp_build_that_does_not_load_gives_way_to_one_without(fresh, monkeypatch):
