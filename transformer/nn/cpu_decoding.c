@@ -203,13 +203,14 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, fl
 }
 
 /* Keys in tiles (B, H, tiles, D, 16), a tile's (D, 16) contiguous, `ts` the strides of
- * B and H (in floats): slot s of a row is lane s % 16 of tile s / 16, D floats 16 apart.
- * put_keys: keys as rows (B, H, n, D), `rs` the strides of B, H and n, into slots
- * start .. start + n - 1. keep_keys: slot from[b][j] into slot j, for j < n, in place, j
- * ascending: right wherever from[b][j] >= j, and elsewhere (kv_cache: slots no row sees)
- * a key of the row all the same. `threads` > 1 splits the (B, H) rows. */
-void put_keys(int64_t B, int64_t H, int64_t n, int64_t D, int64_t start, int threads,
-              const float *rows, const int64_t *rs, float *tiles, const int64_t *ts) {
+ * B and H (in floats): slot s of a row is lane s % 16 of tile s / 16, its D floats 16
+ * apart. Without `from`: keys as rows (B, H, n, D), `rs` the strides of B, H and n, into
+ * slots start .. start + n - 1. With `from` (B, n): slot from[b][j] into slot j, for j < n,
+ * in place, j ascending: right wherever from[b][j] >= j, and elsewhere (kv_cache: slots no
+ * row sees) a key of the row all the same. `threads` > 1 splits the (B, H) rows. */
+void move_keys(int64_t B, int64_t H, int64_t n, int64_t D, int threads, float *tiles,
+               const int64_t *ts, const float *rows, const int64_t *rs, int64_t start,
+               const int64_t *from) {
     (void)threads;
 #pragma omp parallel for num_threads(threads) schedule(static) \
     if (threads > 1 && B * H >= 2 * threads)
@@ -217,27 +218,13 @@ void put_keys(int64_t B, int64_t H, int64_t n, int64_t D, int64_t start, int thr
         const int64_t b = bh / H, h = bh % H;
         float *t = tiles + b * ts[0] + h * ts[1];
         for (int64_t j = 0; j < n; j++) {
-            const float *r = rows + b * rs[0] + h * rs[1] + j * rs[2];
-            float *slot = t + (start + j) / W * D * W + (start + j) % W;
-            for (int64_t d = 0; d < D; d++) slot[d * W] = r[d];
-        }
-    }
-}
-
-void keep_keys(int64_t B, int64_t H, int64_t n, int64_t D, int threads, const int64_t *from,
-               float *tiles, const int64_t *ts) {
-    (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if (threads > 1 && B * H >= 2 * threads)
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        const int64_t b = bh / H, h = bh % H;
-        float *t = tiles + b * ts[0] + h * ts[1];
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t s = from[b * n + j];
-            if (s == j) continue;
-            float *to = t + j / W * D * W + j % W;
-            const float *at = t + s / W * D * W + s % W;
-            for (int64_t d = 0; d < D; d++) to[d * W] = at[d * W];
+            const int64_t to = from ? j : start + j, at = from ? from[b * n + j] : 0;
+            if (from && at == j) continue;
+            const float *src = from ? t + at / W * D * W + at % W
+                                    : rows + b * rs[0] + h * rs[1] + j * rs[2];
+            const int64_t step = from ? W : 1;
+            float *slot = t + to / W * D * W + to % W;
+            for (int64_t d = 0; d < D; d++) slot[d * W] = src[d * step];
         }
     }
 }

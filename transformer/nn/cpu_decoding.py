@@ -130,25 +130,24 @@ def tile_keys(k: Tensor) -> Tensor:
 def put_keys(tiles: Tensor, rows: Tensor, start: int) -> None:
     """Keys rows (B, h, n, d_k) into slots start .. start + n - 1 of tiles (B, h, tiles,
     d_k, 16) (the library is built: `reads_tiles` said so)."""
-    (b, h, n, d), (lib, threads) = rows.shape, _ready()
-    assert rows.stride(3) == 1 and tiles.stride(4) == 1 and tiles.stride(3) == TILE
-    assert tiles.stride(2) == d * TILE and (start + n) <= tiles.size(2) * TILE
-    lib.put_keys(
-        b, h, n, d, start, threads,
-        rows.data_ptr(), (ctypes.c_int64 * 3)(*rows.stride()[:3]),
-        tiles.data_ptr(), (ctypes.c_int64 * 2)(*tiles.stride()[:2]),
-    )  # fmt: skip
+    assert rows.stride(3) == 1 and start + rows.size(2) <= tiles.size(2) * TILE
+    _move_keys(tiles, rows.size(2), rows, rows.stride()[:3], start, None)
 
 
 def keep_keys(tiles: Tensor, slots: Tensor) -> None:
     """Slot slots[b, j] of each row of tiles (B, h, tiles, d_k, 16) into slot j, in place;
     where slots[b, j] < j (slots that no row sees, kv_cache) slot j gets some key of its row."""
+    slots = slots.contiguous()
+    _move_keys(tiles, slots.size(1), None, (0, 0, 0), 0, slots)
+
+
+def _move_keys(tiles: Tensor, n: int, rows, row_strides, start: int, slots) -> None:
     (b, h, _, d, _), (lib, threads) = tiles.shape, _ready()
     assert tiles.stride(4) == 1 and tiles.stride(3) == TILE and tiles.stride(2) == d * TILE
-    slots = slots.contiguous()
-    lib.keep_keys(
-        b, h, slots.size(1), d, threads, slots.data_ptr(),
-        tiles.data_ptr(), (ctypes.c_int64 * 2)(*tiles.stride()[:2]),
+    lib.move_keys(
+        b, h, n, d, threads, tiles.data_ptr(), (ctypes.c_int64 * 2)(*tiles.stride()[:2]),
+        None if rows is None else rows.data_ptr(), (ctypes.c_int64 * 3)(*row_strides),
+        start, None if slots is None else slots.data_ptr(),
     )  # fmt: skip
 
 
@@ -230,10 +229,8 @@ def _load() -> tuple[ctypes.CDLL, bool]:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.attend.argtypes = [i64] * 5 + [ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ptr] * 6
         lib.best_extensions.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 4
-        lib.put_keys.argtypes = [i64] * 5 + [ctypes.c_int] + [ptr] * 4
-        lib.keep_keys.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 3
-        lib.attend.restype = lib.best_extensions.restype = None
-        lib.put_keys.restype = lib.keep_keys.restype = None
+        lib.move_keys.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 4 + [i64, ptr]
+        lib.attend.restype = lib.best_extensions.restype = lib.move_keys.restype = None
         return lib, bool(openmp)
     raise OSError(f"{cc} failed: {error.strip()}")
 
