@@ -208,6 +208,14 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, fl
  * slots start .. start + n - 1. With `from` (B, n): slot from[b][j] into slot j, for j < n,
  * in place, j ascending: right wherever from[b][j] >= j, and elsewhere (kv_cache: slots no
  * row sees) a key of the row all the same. `threads` > 1 splits the (B, H) rows. */
+static inline float *slot(float *t, int64_t D, int64_t s) { return t + s / W * D * W + s % W; }
+
+/* a key's D floats, `step` apart, into a slot (16 apart); inlined per step */
+static inline __attribute__((always_inline)) void copy_key(float *to, const float *from,
+                                                           int64_t D, const int64_t step) {
+    for (int64_t d = 0; d < D; d++) to[d * W] = from[d * step];
+}
+
 void move_keys(int64_t B, int64_t H, int64_t n, int64_t D, int threads, float *tiles,
                const int64_t *ts, const float *rows, const int64_t *rs, int64_t start,
                const int64_t *from) {
@@ -218,13 +226,10 @@ void move_keys(int64_t B, int64_t H, int64_t n, int64_t D, int threads, float *t
         const int64_t b = bh / H, h = bh % H;
         float *t = tiles + b * ts[0] + h * ts[1];
         for (int64_t j = 0; j < n; j++) {
-            const int64_t to = from ? j : start + j, at = from ? from[b * n + j] : 0;
-            if (from && at == j) continue;
-            const float *src = from ? t + at / W * D * W + at % W
-                                    : rows + b * rs[0] + h * rs[1] + j * rs[2];
-            const int64_t step = from ? W : 1;
-            float *slot = t + to / W * D * W + to % W;
-            for (int64_t d = 0; d < D; d++) slot[d * W] = src[d * step];
+            if (!from)
+                copy_key(slot(t, D, start + j), rows + b * rs[0] + h * rs[1] + j * rs[2], D, 1);
+            else if (from[b * n + j] != j)
+                copy_key(slot(t, D, j), slot(t, D, from[b * n + j]), D, W);
         }
     }
 }
