@@ -202,12 +202,7 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, fl
               out, st);
 }
 
-/* Keys in tiles (B, H, tiles, D, 16), a tile's (D, 16) contiguous, `ts` the strides of
- * B and H (in floats): slot s of a row is lane s % 16 of tile s / 16, its D floats 16
- * apart. Without `from`: keys as rows (B, H, n, D), `rs` the strides of B, H and n, into
- * slots start .. start + n - 1. With `from` (B, n): slot from[b][j] into slot j, for j < n,
- * in place, j ascending: right wherever from[b][j] >= j, and elsewhere (kv_cache: slots no
- * row sees) a key of the row all the same. `threads` > 1 splits the (B, H) rows. */
+/* slot s of one (sentence, head)'s tiles (see move_keys) */
 static inline float *slot(float *t, int64_t D, int64_t s) { return t + s / W * D * W + s % W; }
 
 /* a key's D floats, `step` apart, into a slot (16 apart); inlined per step */
@@ -216,6 +211,12 @@ static inline __attribute__((always_inline)) void copy_key(float *to, const floa
     for (int64_t d = 0; d < D; d++) to[d * W] = from[d * step];
 }
 
+/* Keys in tiles (B, H, tiles, D, 16), a tile's (D, 16) contiguous, `ts` the strides of
+ * B and H (in floats): slot s of a row is lane s % 16 of tile s / 16, its D floats 16
+ * apart. Without `from`: keys as rows (B, H, n, D), `rs` the strides of B, H and n, into
+ * slots start .. start + n - 1. With `from` (B, n): slot from[b][j] into slot j, for j < n,
+ * in place, j ascending: right wherever from[b][j] >= j, and elsewhere (kv_cache: slots no
+ * row sees) a key of the row all the same. `threads` > 1 splits the (B, H) rows. */
 void move_keys(int64_t B, int64_t H, int64_t n, int64_t D, int threads, float *tiles,
                const int64_t *ts, const float *rows, const int64_t *rs, int64_t start,
                const int64_t *from) {

@@ -141,7 +141,14 @@ def keep_keys(tiles: Tensor, slots: Tensor) -> None:
     _move_keys(tiles, slots.size(1), None, (0, 0, 0), 0, slots)
 
 
-def _move_keys(tiles: Tensor, n: int, rows, row_strides, start: int, slots) -> None:
+def _move_keys(
+    tiles: Tensor,
+    n: int,
+    rows: Tensor | None,
+    row_strides: tuple[int, ...],
+    start: int,
+    slots: Tensor | None,
+) -> None:
     (b, h, _, d, _), (lib, threads) = tiles.shape, _ready()
     assert tiles.stride(4) == 1 and tiles.stride(3) == TILE and tiles.stride(2) == d * TILE
     lib.move_keys(
