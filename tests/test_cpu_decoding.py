@@ -91,16 +91,26 @@ def test_threads_split_the_blocks_not_the_sums(monkeypatch):
     q, k, v = inputs(b=16, n=40)
     mask = additive(torch.rand(16, 1, 4, 40) < 0.6)
     threads = torch.get_num_threads()
+    x, y, norm = torch.randn(50, 64), torch.randn(50, 64), torch.nn.LayerNorm(64)
+    add_norm = lambda: cpu_decoding.add_norm(x, y.clone(), norm.weight, norm.bias, norm.eps)
     try:
         torch.set_num_threads(1)
         one = cpu_decoding.attend(q, k, v, mask)
+        with torch.no_grad():
+            normed = add_norm()
         torch.set_num_threads(3)
         assert torch.equal(cpu_decoding.attend(q, k, v, mask), one)
         tiles = torch.zeros(16, 2, 3, 32, 16)  # written and moved by 3 threads
-        cpu_decoding.put_keys(tiles, k, 0)
+        cpu_decoding.put_slots(tiles, k, 0)
         assert torch.equal(cpu_decoding.attend(q, tiles, v, mask), one)
-        cpu_decoding.keep_keys(tiles, torch.arange(1, 40).expand(16, 39))
+        cpu_decoding.keep_slots(tiles, torch.arange(1, 40).expand(16, 39))
         assert torch.equal(cpu_decoding.untile_keys(tiles, 39), k[:, :, 1:])
+        values = torch.zeros(16, 2, 40, 32)
+        cpu_decoding.put_slots(values, v, 0)
+        cpu_decoding.keep_slots(values, torch.arange(1, 40).expand(16, 39))
+        assert torch.equal(values[:, :, :39], v[:, :, 1:])
+        with torch.no_grad():
+            assert torch.equal(add_norm(), normed)
     finally:
         torch.set_num_threads(threads)
 
@@ -148,20 +158,46 @@ def test_tiles_the_kernel_was_not_built_for_go_to_torch():
         torch.testing.assert_close(kernels.attention(many, tiles, v), want, rtol=1e-5, atol=1e-6)
 
 
-def test_keys_move_into_and_within_their_tiles():
-    """put_keys writes new keys (rows, any strides) into their slots; keep_keys moves each
-    row's kept slots to the front in place, as a compaction of the cache does: used slots
-    in order, then unused ones (whose keys no row reads)."""
+@pytest.mark.parametrize("tiled", [True, False])
+def test_slots_move_into_and_within_a_cache(tiled):
+    """put_slots writes new keys or values (rows, any strides) into their slots of keys in
+    tiles or values as rows; keep_slots moves each row's kept slots to the front in place,
+    as a compaction of the cache does: used slots in order, then unused ones (which no row
+    reads)."""
     k = torch.randn(3, 2, 40, 8)
-    tiles = torch.full((3, 2, 4, 8, 16), float("nan"))
-    cpu_decoding.put_keys(tiles, k[:, :, :21], 0)
-    cpu_decoding.put_keys(tiles, k.transpose(0, 1).contiguous().transpose(0, 1)[:, :, 21:], 21)
-    assert torch.equal(cpu_decoding.untile_keys(tiles, 40), k)
+    dest = torch.full((3, 2, 4, 8, 16) if tiled else (3, 2, 48, 8), float("nan"))
+    read = (lambda n: cpu_decoding.untile_keys(dest, n)) if tiled else (lambda n: dest[:, :, :n])
+    cpu_decoding.put_slots(dest, k[:, :, :21], 0)
+    cpu_decoding.put_slots(dest, k.transpose(0, 1).contiguous().transpose(0, 1)[:, :, 21:], 21)
+    assert torch.equal(read(40), k)
     used = torch.tensor([[0, 3, 17, 18, 33, 39], [5, 6, 7, 20, 21, 22], [1, 2, 30, 0, 3, 4]])
-    cpu_decoding.keep_keys(tiles, used)
-    moved = cpu_decoding.untile_keys(tiles, 6)
+    cpu_decoding.keep_slots(dest, used)
+    moved = read(6)
     assert torch.equal(moved[:2], k[torch.arange(2)[:, None], :, used[:2]].transpose(1, 2))
     assert torch.equal(moved[2, :, :3], k[2, :, [1, 2, 30]])  # its last three: unused
+
+
+@pytest.mark.parametrize("rows, d", [(1, 16), (37, 128), (300, 512)])
+def test_add_norm_is_layer_norm_of_the_sum(rows, d):
+    """The residual connections' add and LayerNorm in one pass, on a decoding step's shapes:
+    torch's to fp32 rounding, each row on its own (as many rows or one), written over y."""
+    g = torch.Generator().manual_seed(rows)
+    x, y = torch.randn(rows, 1, d, generator=g), torch.randn(rows, 1, d, generator=g) * 3 + 1
+    norm = torch.nn.LayerNorm(d)
+    torch.nn.init.normal_(norm.weight, generator=g), torch.nn.init.normal_(norm.bias, generator=g)
+    w, b, eps = norm.weight, norm.bias, norm.eps
+    with torch.no_grad():
+        want = norm(x + y)
+        last = cpu_decoding.add_norm(x[-1:].clone(), y[-1:].clone(), w, b, eps)
+        got = cpu_decoding.add_norm(x, y, w, b, eps)
+        assert got is y
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[-1:], last)
+        # declined: a row not contiguous, a width not a multiple of 16
+        spaced = torch.randn(rows, 1, 2 * d)[..., ::2]
+        assert cpu_decoding.add_norm(spaced, spaced.clone(), w, b, eps) is None
+        assert cpu_decoding.add_norm(x[..., 1:], y[..., 1:], w[1:], b[1:], eps) is None
+    assert cpu_decoding.add_norm(x, y, w, b, eps) is None  # a gradient to keep
 
 
 @torch.no_grad()

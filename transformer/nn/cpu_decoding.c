@@ -1,9 +1,10 @@
-/* A decoding step's two hot loops on a CPU, built and loaded by cpu_decoding.py (which
- * says when they run); GCC's and Clang's vector extensions, compiled for the machine it
- * runs on:
+/* A decoding step's hot loops on a CPU, built and loaded by cpu_decoding.py (which says
+ * when they run); GCC's and Clang's vector extensions, compiled for the machine it runs on:
  * - `attend`: a few queries per (sentence, head) against that sentence's cached keys and
  *   values, softmax(q k^T / sqrt(d_k) + mask) v, in one pass;
- * - `best_extensions`: beam search's best candidates of each sentence, scores added.
+ * - `move_slots`: a step's keys and values into the cache, and its compaction in place;
+ * - `best_extensions`: beam search's best candidates of each sentence, scores added;
+ * - `add_norm`: LayerNorm(x + y), a residual connection.
  *
  * Attention: why not two batched products (torch's bmm): a step multiplies thousands of
  * tiny matrices (a beam of 4 queries by 20-200 keys of 32-64 dimensions), where a BLAS
@@ -39,6 +40,16 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 
 static inline v16 splat(float x) { return (v16){0} + x; }
 static inline v16 pick(i16 c, v16 a, v16 b) { return (v16)(((i16)a & c) | ((i16)b & ~c)); }
+
+/* the 16 lanes' sum, halves added in turn */
+static inline float sum(v16 x) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
 
 /* n (<= 16) floats from p, zeros after */
 static inline v16 load(const float *p, int64_t n) {
@@ -94,7 +105,7 @@ static inline __attribute__((always_inline)) void blocks(
     int64_t first, int64_t last, int64_t H, int64_t M, int64_t L, const int64_t D,
     const int tiled, float scale, const float *q, const float *k, const float *v,
     const float *mask, float *out, const int64_t *st) {
-    const int64_t *qs = st, *ks = st + 3, *vs = st + 6, *ms = st + 9;
+    const int64_t *qs = st, *ks = st + 3, *vs = st + 6, *ms = st + 9, *os = st + 13;
     const int64_t Lp = (L + W - 1) / W * W, nd = (D + W - 1) / W, tail = D - (nd - 1) * W;
     float s[MAXM][Lp];
     float qv[MAXM][MAXD * W];
@@ -158,7 +169,7 @@ static inline __attribute__((always_inline)) void blocks(
             }
         }
         for (int64_t m = 0; m < M; m++) {
-            float *om = out + (bh * M + m) * D;
+            float *om = out + b * os[0] + h * os[1] + m * os[2];
             for (int64_t i = 0; i < nd; i++)
                 store(om + i * W, o[m][i] * (1.0f / sum[m]), i == nd - 1 ? tail : W);
         }
@@ -183,9 +194,9 @@ static void range(int64_t first, int64_t last, int64_t H, int64_t M, int64_t L, 
 
 /* q (B, H, M, D); v (B, H, L, D); k (B, H, L, D) rows, or with `tiled` (B, H, ceil(L / 16),
  * D, 16), chunks of 16 keys transposed; mask (B, H, M, L) additive, or NULL; out
- * (B, H, M, D) contiguous. `st`: the strides (in floats) of q's, k's and v's first three
- * dimensions (k tiled: of a tile), then the mask's four (0 where broadcast); the last
- * dimension of each is contiguous, and a tiled k's (D, 16) tiles too.
+ * (B, H, M, D). `st`: the strides (in floats) of q's, k's and v's first three dimensions
+ * (k tiled: of a tile), then the mask's four (0 where broadcast), then out's first three;
+ * the last dimension of each is contiguous, and a tiled k's (D, 16) tiles too.
  * M <= MAXM, D <= MAXD * 16. `threads` > 1 splits the blocks among OpenMP threads where
  * the library was built with OpenMP (cpu_decoding.py links the one torch runs). */
 void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, float scale,
@@ -202,35 +213,44 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, fl
               out, st);
 }
 
-/* slot s of one (sentence, head)'s tiles (see move_keys) */
-static inline float *slot(float *t, int64_t D, int64_t s) { return t + s / W * D * W + s % W; }
-
-/* a key's D floats, `step` apart, into a slot (16 apart); inlined per step */
-static inline __attribute__((always_inline)) void copy_key(float *to, const float *from,
-                                                           int64_t D, const int64_t step) {
-    for (int64_t d = 0; d < D; d++) to[d * W] = from[d * step];
+/* slot s of one (sentence, head)'s keys or values (see move_slots) */
+static inline float *slot(float *t, int64_t D, int tiled, int64_t s) {
+    return tiled ? t + s / W * D * W + s % W : t + s * D;
 }
 
-/* Keys in tiles (B, H, tiles, D, 16), a tile's (D, 16) contiguous, `ts` the strides of
- * B and H (in floats): slot s of a row is lane s % 16 of tile s / 16, its D floats 16
- * apart. Without `from`: keys as rows (B, H, n, D), `rs` the strides of B, H and n, into
- * slots start .. start + n - 1. With `from` (B, n): slot from[b][j] into slot j, for j < n,
- * in place, j ascending: right wherever from[b][j] >= j, and elsewhere (kv_cache: slots no
- * row sees) a key of the row all the same. `threads` > 1 splits the (B, H) rows. */
-void move_keys(int64_t B, int64_t H, int64_t n, int64_t D, int threads, float *tiles,
-               const int64_t *ts, const float *rows, const int64_t *rs, int64_t start,
-               const int64_t *from) {
+/* D floats, `from_step` apart, to `to_step` apart; inlined per pair of steps */
+static inline __attribute__((always_inline)) void copy_slot(float *to, const float *from,
+                                                            int64_t D, const int64_t to_step,
+                                                            const int64_t from_step) {
+    for (int64_t d = 0; d < D; d++) to[d * to_step] = from[d * from_step];
+}
+
+/* A cache's keys or values, (B, H, slots, D) rows, or with `tiled` keys in tiles (B, H,
+ * tiles, D, 16), a tile's (D, 16) contiguous: slot s is lane s % 16 of tile s / 16, its D
+ * floats 16 apart. `ds`: the strides of B and H (in floats); a row's slots contiguous.
+ * Without `from`: new ones as rows (B, H, n, D), `rs` the strides of B, H and n, into slots
+ * start .. start + n - 1. With `from` (B, n): slot from[b][j] into slot j, for j < n, in
+ * place, j ascending: right wherever from[b][j] >= j, and elsewhere (kv_cache: slots no
+ * row sees) a slot of the row all the same. `threads` > 1 splits the (B, H) rows. */
+void move_slots(int64_t B, int64_t H, int64_t n, int64_t D, int tiled, int threads,
+                float *dest, const int64_t *ds, const float *rows, const int64_t *rs,
+                int64_t start, const int64_t *from) {
     (void)threads;
 #pragma omp parallel for num_threads(threads) schedule(static) \
     if (threads > 1 && B * H >= 2 * threads)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H;
-        float *t = tiles + b * ts[0] + h * ts[1];
+        float *t = dest + b * ds[0] + h * ds[1];
         for (int64_t j = 0; j < n; j++) {
-            if (!from)
-                copy_key(slot(t, D, start + j), rows + b * rs[0] + h * rs[1] + j * rs[2], D, 1);
-            else if (from[b * n + j] != j)
-                copy_key(slot(t, D, j), slot(t, D, from[b * n + j]), D, W);
+            if (!from) {
+                const float *r = rows + b * rs[0] + h * rs[1] + j * rs[2];
+                if (tiled) copy_slot(slot(t, D, 1, start + j), r, D, W, 1);
+                else copy_slot(slot(t, D, 0, start + j), r, D, 1, 1);
+            } else if (from[b * n + j] != j) {
+                const int64_t f = from[b * n + j];
+                if (tiled) copy_slot(slot(t, D, 1, j), slot(t, D, 1, f), D, W, W);
+                else copy_slot(slot(t, D, 0, j), slot(t, D, 0, f), D, 1, 1);
+            }
         }
     }
 }
@@ -298,4 +318,35 @@ void best_extensions(int64_t N, int64_t beams, int64_t V, int64_t k, int threads
     for (int64_t n = 0; n < N; n++)
         best_of_sentence(beams, V, k, lp + n * beams * V, scores + n * beams, tv + n * k,
                          ti + n * k);
+}
+
+/* LayerNorm(x + y) of R rows of D floats, D a multiple of 16 (x, y, out contiguous; `out`
+ * may be x or y), with weight w and bias b (D each), the variance biased, as torch's.
+ * Why not torch's add and layer_norm: on a decoding step's few hundred rows of 128-1024
+ * they take ~2x as long, two ops and three passes. `threads` > 1 splits the rows. */
+void add_norm(int64_t R, int64_t D, int threads, const float *x, const float *y,
+              const float *w, const float *b, float eps, float *out) {
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && R >= 2 * threads)
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * D, *yr = y + r * D;
+        float *o = out + r * D;
+        v16 acc = splat(0.0f);
+        for (int64_t d = 0; d < D; d += W) {
+            const v16 s = *(const v16u *)(xr + d) + *(const v16u *)(yr + d);
+            *(v16u *)(o + d) = s;
+            acc += s;
+        }
+        const float mean = sum(acc) / (float)D;
+        acc = splat(0.0f);
+        for (int64_t d = 0; d < D; d += W) {
+            const v16 c = *(const v16u *)(o + d) - mean;
+            acc += c * c;
+        }
+        const float rstd = 1.0f / __builtin_sqrtf(sum(acc) / (float)D + eps);
+        for (int64_t d = 0; d < D; d += W) {
+            const v16 c = *(const v16u *)(o + d) - mean;
+            *(v16u *)(o + d) = c * rstd * *(const v16u *)(w + d) + *(const v16u *)(b + d);
+        }
+    }
 }

@@ -1,6 +1,9 @@
-"""A decoding step's two hot loops on a CPU in C (cpu_decoding.c says why and how):
-`attend`, which kernels.attention calls for a step's few queries, and `best_extensions`,
-beam search's best candidates of each sentence (transformer/decoding/search.py).
+"""A decoding step's hot loops on a CPU in C (cpu_decoding.c says why and how): `attend`,
+which kernels.attention calls for a step's few queries; `add_norm`, a residual connection's
+add and LayerNorm (kernels.add_norm); `put_slots` and `keep_slots`, which write a step's
+keys and values into the decoder's cache and compact it in place (kv_cache.py); and
+`best_extensions`, beam search's best candidates of each sentence
+(transformer/decoding/search.py).
 
 The C source is compiled at first use, for this machine (`-march=native`), into the user's
 cache (`$XDG_CACHE_HOME/transformer-mt/`, else `~/.cache/transformer-mt/`), under a name
@@ -10,13 +13,15 @@ written under a temporary name and renamed into place, so that processes buildin
 never load half a file. It links the OpenMP runtime that torch already loaded (GCC's
 libgomp: one pool of threads for torch's ops and these), or builds without OpenMP where the
 compiler has none or its OpenMP build does not load (Clang without libomp), and then runs
-only with one thread. Without a C compiler, or where the build fails, both decline (one
+only with one thread. Without a C compiler, or where the build fails, they decline (one
 warning says why) and their callers keep torch's ops: attention's two batched products,
-an add and topk; the same results to rounding (topk: the same, ties aside), slower.
+an add and layer_norm, copies, an add and topk; the same results to rounding (topk: the
+same, ties aside), slower.
 
 `attend` declines (returns None) what it was not built for: other dtypes, more than
 MAX_QUERIES queries or MAX_HEAD dimensions per head, a last dimension that is not contiguous,
-a mask broadcast along the keys. `best_extensions` declines anything but contiguous fp32.
+a mask broadcast along the keys. `best_extensions` and `add_norm` decline anything but
+contiguous fp32 (add_norm: without gradients, a width that is a multiple of 16).
 
 Keys in tiles: `attend` reads keys as rows (..., L, d_k), or, faster, as `tile_keys` lays
 them out: 16 keys at a time transposed, (..., ceil(L / 16), d_k, 16), the layout its score
@@ -56,23 +61,26 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     """softmax(q k^T / sqrt(d_k) + mask) v for q (B, h, M, d_k), k, v (B, h, L, d_k) (k may
     be in tiles: `tile_keys`) and a mask broadcast to (B, h, M, L), additive or boolean
     (True: may attend; the encoder's, where a batch has a few source tokens); None where
-    the kernel does not take these inputs (see the module docstring) or could not be built."""
+    the kernel does not take these inputs (see the module docstring) or could not be built.
+    The result (B, h, M, d_k) lies in memory as (B, M, h, d_k), as F.scaled_dot_product_attention's
+    CPU kernels leave theirs: each query's heads side by side, concatenated for W^O without
+    a copy (model.py)."""
     lib, threads = _ready()
     if lib is None or not _takes(q, k, v, mask):
         return None
     (b, h, m, d), n, tiled = q.shape, v.size(2), k.dim() == 5
-    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0]
+    out = q.new_empty(b, m, h, d).transpose(1, 2)
+    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0, *out.stride()[:3]]
     if mask is not None:
         if mask.dtype == torch.bool:  # additive
             mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
         mask = mask.expand(b, h, m, n)
-        strides[9:] = mask.stride()
-    out = q.new_empty(b, h, m, d)
+        strides[9:13] = mask.stride()
     lib.attend(
         b, h, m, n, d, tiled, d**-0.5, threads,
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
         None if mask is None else mask.data_ptr(), out.data_ptr(),
-        (ctypes.c_int64 * 13)(*strides),
+        (ctypes.c_int64 * 16)(*strides),
     )  # fmt: skip
     return out
 
@@ -109,6 +117,26 @@ def best_extensions(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Ten
     return top, index
 
 
+def add_norm(x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor | None:
+    """F.layer_norm(x + y, (D,), weight, bias, eps) for x, y (..., D), written over y (the
+    caller's to overwrite); None where the kernel does not take these inputs (anything but
+    contiguous fp32 on a CPU without gradients, D a multiple of 16) or could not be built."""
+    lib, threads = _ready()
+    d, tensors = x.size(-1), (x, y, weight, bias)
+    if lib is None or x.shape != y.shape or d % TILE or not weight.shape == bias.shape == (d,):
+        return None
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        if t.requires_grad and torch.is_grad_enabled():
+            return None
+    lib.add_norm(
+        x.numel() // d, d, threads, x.data_ptr(), y.data_ptr(), weight.data_ptr(),
+        bias.data_ptr(), eps, y.data_ptr(),
+    )  # fmt: skip
+    return y
+
+
 def reads_tiles(t: Tensor) -> bool:
     """Whether `attend` can read keys like `t` (..., d_k) in tiles: the library is built for
     these threads, and t is fp32 on a CPU path outside compiled code (kernels.c_path)."""
@@ -127,32 +155,38 @@ def tile_keys(k: Tensor) -> Tensor:
     return rows.unflatten(-2, (tiles, TILE)).transpose(-2, -1).contiguous()
 
 
-def put_keys(tiles: Tensor, rows: Tensor, start: int) -> None:
-    """Keys rows (B, h, n, d_k) into slots start .. start + n - 1 of tiles (B, h, tiles,
-    d_k, 16) (the library is built: `reads_tiles` said so)."""
-    assert rows.stride(3) == 1 and start + rows.size(2) <= tiles.size(2) * TILE
-    _move_keys(tiles, rows.size(2), rows, rows.stride()[:3], start, None)
+def put_slots(dest: Tensor, rows: Tensor, start: int) -> None:
+    """New keys or values, rows (B, h, n, d_k), into slots start .. start + n - 1 of a
+    cache's dest: values (B, h, slots, d_k), or keys in tiles (B, h, tiles, d_k, 16) (the
+    library is built: `reads_tiles` said so)."""
+    assert rows.stride(3) == 1 and start + rows.size(2) <= _slots(dest)
+    _move_slots(dest, rows.size(2), rows, rows.stride()[:3], start, None)
 
 
-def keep_keys(tiles: Tensor, slots: Tensor) -> None:
-    """Slot slots[b, j] of each row of tiles (B, h, tiles, d_k, 16) into slot j, in place;
-    where slots[b, j] < j (slots that no row sees, kv_cache) slot j gets some key of its row."""
+def keep_slots(dest: Tensor, slots: Tensor) -> None:
+    """Slot slots[b, j] of each row of dest (as `put_slots`'s) into slot j, in place; where
+    slots[b, j] < j (slots that no row sees, kv_cache) slot j gets some slot of its row."""
     slots = slots.contiguous()
-    _move_keys(tiles, slots.size(1), None, (0, 0, 0), 0, slots)
+    _move_slots(dest, slots.size(1), None, (0, 0, 0), 0, slots)
 
 
-def _move_keys(
-    tiles: Tensor,
+def _slots(dest: Tensor) -> int:
+    return dest.size(2) * TILE if dest.dim() == 5 else dest.size(2)
+
+
+def _move_slots(
+    dest: Tensor,
     n: int,
     rows: Tensor | None,
     row_strides: tuple[int, ...],
     start: int,
     slots: Tensor | None,
 ) -> None:
-    (b, h, _, d, _), (lib, threads) = tiles.shape, _ready()
-    assert tiles.stride(4) == 1 and tiles.stride(3) == TILE and tiles.stride(2) == d * TILE
-    lib.move_keys(
-        b, h, n, d, threads, tiles.data_ptr(), (ctypes.c_int64 * 2)(*tiles.stride()[:2]),
+    (b, h, _, d), tiled, (lib, threads) = dest.shape[:4], dest.dim() == 5, _ready()
+    inner = (d * TILE, TILE, 1) if tiled else (d, 1)
+    assert dest.stride()[2:] == inner, "a row's slots contiguous"
+    lib.move_slots(
+        b, h, n, d, tiled, threads, dest.data_ptr(), (ctypes.c_int64 * 2)(*dest.stride()[:2]),
         None if rows is None else rows.data_ptr(), (ctypes.c_int64 * 3)(*row_strides),
         start, None if slots is None else slots.data_ptr(),
     )  # fmt: skip
@@ -236,8 +270,11 @@ def _load() -> tuple[ctypes.CDLL, bool]:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.attend.argtypes = [i64] * 5 + [ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ptr] * 6
         lib.best_extensions.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 4
-        lib.move_keys.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 4 + [i64, ptr]
-        lib.attend.restype = lib.best_extensions.restype = lib.move_keys.restype = None
+        lib.move_slots.argtypes = [i64] * 4 + [ctypes.c_int] * 2 + [ptr] * 4 + [i64, ptr]
+        f32 = ctypes.c_float
+        lib.add_norm.argtypes = [i64, i64, ctypes.c_int] + [ptr] * 4 + [f32, ptr]
+        for f in (lib.attend, lib.best_extensions, lib.move_slots, lib.add_norm):
+            f.restype = None
         return lib, bool(openmp)
     raise OSError(f"{cc} failed: {error.strip()}")
 

@@ -147,6 +147,13 @@ def attention(
     return scores.softmax(-1) @ v
 
 
+def add_norm(x: Tensor, y: Tensor, norm: nn.LayerNorm) -> Tensor:
+    """norm(x + y); y may be overwritten. On a CPU path outside compiled code, without
+    gradients, cpu_decoding's one pass (a decoding step's residual connections)."""
+    out = cpu_decoding.add_norm(x, y, norm.weight, norm.bias, norm.eps) if c_path(x) else None
+    return norm(x + y) if out is None else out
+
+
 def describe(device: torch.device | str) -> str:
     """One line for a log: what runs the matrix products."""
     if torch.device(device).type == "cpu" and ONEDNN:

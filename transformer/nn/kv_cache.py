@@ -213,9 +213,11 @@ class SelfAttentionKV:
     products take as it is (with keys and values interleaved per row they copied every
     filled slot at every step). Where cpu_decoding's attention kernel reads them (`tiled`:
     cpu_decoding.reads_tiles), the keys' half holds them in its tiles instead, (B', h,
-    slots / 16, d_k, 16), the layout that kernel's score loop reads, and slots come in
-    whole tiles. Dropping rows moves only the rows that fill a hole (`Shrink`); dropping
-    slots moves the slots kept to the front of their rows."""
+    slots / 16, d_k, 16), the layout that kernel's score loop reads, slots come in whole
+    tiles, and cpu_decoding's C writes new keys and values and compacts both in place
+    (torch's copies of a step's few slots per row cost several times as much). Dropping rows
+    moves only the rows that fill a hole (`Shrink`); dropping slots moves the slots kept to
+    the front of their rows."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -243,10 +245,11 @@ class SelfAttentionKV:
         if not self.tiled:
             self.kv[:, :, :, start : c.filled].unflatten(3, (t, c.group)).copy_(new)
             return self.kv[0, :, :, : c.filled], self.kv[1, :, :, : c.filled]
-        self.kv[1, :, :, start : c.filled].unflatten(2, (t, c.group)).copy_(new[1])
-        keys = self.keys()  # (B', h, tiles, d_k, 16)
-        cpu_decoding.put_keys(keys, new[0].flatten(2, 3), start)  # (B', h, T * g, d_k)
-        return keys[:, :, : -(-c.filled // TILE)], self.kv[1, :, :, : c.filled]
+        keys, values = self.keys(), self.kv[1]  # (B', h, tiles, d_k, 16), (B', h, slots, d_k)
+        new = new.flatten(3, 4)  # (2, B', h, T * g, d_k)
+        cpu_decoding.put_slots(keys, new[0], start)
+        cpu_decoding.put_slots(values, new[1], start)
+        return keys[:, :, : -(-c.filled // TILE)], values[:, :, : c.filled]
 
     def keys(self) -> Tensor:
         """The keys' half as tiles (B', h, slots / 16, d_k, 16) (`tiled` only)."""
@@ -273,23 +276,21 @@ class SelfAttentionKV:
 
     def compact(self, slots: Tensor) -> None:
         """Keep slots `slots` (B', n) of each row, in that order, as its first n."""
-        (_, b, h, room, d_k), n = self.kv.shape, slots.size(1)
+        if self.tiled:
+            # In place: a row's used slots keep their order, so each moves to an earlier slot
+            # or stays (`_compact` puts the unused ones, which no row sees, after them).
+            cpu_decoding.keep_slots(self.keys(), slots)
+            cpu_decoding.keep_slots(self.kv[1], slots)
+            return
         # An index_select of (row, head, slot) vectors: 2-7x faster than a gather along the
         # slots, whose index repeats each slot d_k times. Keys and values apart: once rows
         # have left (`keep`), the two are not one contiguous block, and index_select would
         # first copy the whole buffer to make them one.
+        (_, b, h, room, d_k), n = self.kv.shape, slots.size(1)
         heads = torch.arange(b * h, device=slots.device).view(b, h, 1) * room
         vectors = (heads + slots[:, None, :]).flatten()  # (B' * h * n,)
-        values = self.kv[1]  # (B', h, room, d_k), contiguous
-        kept = values.flatten(0, 2).index_select(0, vectors)  # a copy: (B' * h * n, d_k)
-        values[:, :, :n] = kept.view(b, h, n, d_k)
-        if not self.tiled:
-            keys = self.kv[0]
-            keys[:, :, :n] = keys.flatten(0, 2).index_select(0, vectors).view(b, h, n, d_k)
-            return
-        # In place: a row's used slots keep their order, so each moves to an earlier slot
-        # or stays (`_compact` puts the unused ones, which no row sees, after them).
-        cpu_decoding.keep_keys(self.keys(), slots)
+        for half in self.kv:  # (B', h, room, d_k), contiguous
+            half[:, :, :n] = half.flatten(0, 2).index_select(0, vectors).view(b, h, n, d_k)
 
 
 # The memory-efficient attention kernel (CUDA) pads, at every call, a mask whose strides but

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer.config import ModelConfig
-from transformer.nn.kernels import Dropout, Linear, attention, linear
+from transformer.nn.kernels import Dropout, Linear, add_norm, attention, linear
 from transformer.nn.kv_cache import Arena, KVCache, SelfAttentionKV, stored_keys
 
 
@@ -124,7 +124,7 @@ class Residual(nn.Module):
     def forward(self, x: Tensor, sublayer) -> Tensor:
         if self.norm_first:
             return x + self.dropout(sublayer(self.norm(x)))
-        return self.norm(x + self.dropout(sublayer(x)))
+        return add_norm(x, self.dropout(sublayer(x)), self.norm)
 
 
 class EncoderLayer(nn.Module):
