@@ -84,6 +84,11 @@ static inline v16 exp_nonpositive(v16 x) {
     return pick(low, splat(0.0f), p * two_n);
 }
 
+/* n floats from p on their way to L2 */
+static inline void fetch(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 2);
+}
+
 /* One chunk's scores for r (<= 4) queries: s[m][l0 .. l0 + 15] = sum over d, in order, of
  * qv[m][d] * key(l0 + j)[d]; `kt` holds the chunk's 16 keys transposed (D rows of 16) */
 static inline __attribute__((always_inline)) void chunk_scores(
@@ -113,14 +118,24 @@ static inline __attribute__((always_inline)) void blocks(
     for (int64_t bh = first; bh < last; bh++) {
         const int64_t b = bh / H, h = bh % H;
         const float *kb = k + b * ks[0] + h * ks[1], *vb = v + b * vs[0] + h * vs[1];
+        /* the next block's keys and values, each fetched as the same ones of this block are
+         * read: a block's keys and values are a few KB, and a cache's (sentence, head) rows
+         * lie far apart (room for the longest output), too short a stream for the hardware
+         * prefetcher to run ahead of; ~2x faster on a step's self-attention (Zen 4) */
+        const int64_t next = bh + 1 < last ? bh + 1 : bh;
+        const float *kn = k + next / H * ks[0] + next % H * ks[1];
+        const float *vn = v + next / H * vs[0] + next % H * vs[1];
         for (int64_t m = 0; m < M; m++)
             for (int64_t d = 0; d < D; d++)
                 qv[m][d] = q[b * qs[0] + h * qs[1] + m * qs[2] + d] * scale;
         /* scores, 16 keys at a time: for each, an FMA chain over d in one lane */
         for (int64_t l0 = 0; l0 < L; l0 += W) {
             const float *chunk = kb + l0 / W * ks[2];
+            const int64_t n = L - l0 < W ? L - l0 : W;
+            if (tiled) fetch(kn + l0 / W * ks[2], D * W);
+            else
+                for (int64_t j = 0; j < n; j++) fetch(kn + (l0 + j) * ks[2], D);
             if (!tiled) {
-                const int64_t n = L - l0 < W ? L - l0 : W;
                 for (int64_t j = 0; j < n; j++)
                     for (int64_t d = 0; d < D; d++) kt[d * W + j] = kb[(l0 + j) * ks[2] + d];
                 chunk = kt;
@@ -160,6 +175,7 @@ static inline __attribute__((always_inline)) void blocks(
         /* the weighted sum of values, key by key: each value row read once for all queries */
         for (int64_t l = 0; l < L; l++) {
             const float *vl = vb + l * vs[2];
+            fetch(vn + l * vs[2], D);
             v16 vv[MAXD];
             for (int64_t i = 0; i < nd; i++) vv[i] = load(vl + i * W, i == nd - 1 ? tail : W);
             for (int64_t m = 0; m < M; m++) {
