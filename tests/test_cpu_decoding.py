@@ -201,6 +201,37 @@ def test_add_norm_is_layer_norm_of_the_sum(rows, d):
 
 
 @torch.no_grad()
+def test_a_cached_step_copies_nothing_in_torch():
+    """After the first step (which stores the encoder-decoder keys), a decoder step with the
+    cache on a CPU leaves copies and LayerNorm to C: the attention's heads come out side
+    by side for W^O, new keys and values go into the cache by put_slots, each residual's add
+    and LayerNorm is add_norm. torch's ops would make them 8 copies and 6 layer_norms here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_transformer().model
+    src = batch(*real_sources(3))
+    memory, cache = model.encode(src), model.new_cache(8)
+    tgt = torch.full((12, 1), BOS)  # 4 rows per sentence: a beam
+    model.decode(tgt, memory, src == PAD, cache)
+    with Ops() as ops:
+        for token in (5, 6, 7):
+            model.decode(torch.full((12, 1), token), memory, src == PAD, cache)
+    names = set(ops.names)
+    assert not names & {"copy_.default", "clone.default", "native_layer_norm.default"}, names
+    products = {"addmm.default", "mm.default", "_linear_pointwise.default"}
+    assert sum(name in products for name in ops.names) == 3 * 13  # 6 a layer, the output's
+
+
+@torch.no_grad()
 def test_the_search_keeps_its_keys_in_tiles_and_finds_what_rows_find(monkeypatch):
     """On a CPU the shrinking search's caches (self-attention's, growing, compacted, rows
     dropped as sentences finish; the encoder-decoder keys) hand the kernel tiles, batch
