@@ -27,6 +27,10 @@ than cpu_decoding's C kernel, which runs there (its docstring says where it decl
 what runs then: the two products); and under a CPU's bf16 autocast, where it runs in fp32
 (`attention`'s comment says why).
 
+Residual connections (`add_norm`): LayerNorm(x + y) in one pass of cpu_decoding's C on a
+CPU without gradients (decoding, validation), where torch's add and layer_norm take two ops
+and about twice as long on a decoding step's rows; torch's ops anywhere else.
+
 bf16 on a CPU (`CPU_BF16`): where the CPU has bf16 dot-product instructions, the trainer's
 `train.precision: bf16` runs its products in bf16 autocast there too, as on a GPU: a training
 step of the Multi30k model ~1.4x faster than fp32 on a Zen 4 core (benchmarks/model_step.py).
