@@ -437,6 +437,11 @@ def test_without_avx512_the_portable_loops_give_the_same(fresh, monkeypatch):
     got = cpu_decoding.attend(q, k, v, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(cpu_decoding.attend(q, cpu_decoding.tile_keys(k), v, mask), got)
+    x, y, norm = torch.randn(7, 64), torch.randn(7, 64), torch.nn.LayerNorm(64)
+    with torch.no_grad():
+        want = norm(x + y)
+        got = cpu_decoding.add_norm(x, y, norm.weight, norm.bias, norm.eps)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_an_openmp_build_that_does_not_load_gives_way_to_one_without(fresh, monkeypatch):

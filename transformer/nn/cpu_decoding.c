@@ -41,14 +41,13 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 static inline v16 splat(float x) { return (v16){0} + x; }
 static inline v16 pick(i16 c, v16 a, v16 b) { return (v16)(((i16)a & c) | ((i16)b & ~c)); }
 
-/* the 16 lanes' sum, halves added in turn */
+/* the 16 lanes' sum, halves added in turn (lane by lane: GCC before 12 has no
+ * __builtin_shufflevector) */
 static inline float sum(v16 x) {
-    typedef float v8 __attribute__((vector_size(32)));
-    typedef float v4 __attribute__((vector_size(16)));
-    const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (c[0] + c[2]) + (c[1] + c[3]);
+    float h[W / 2];
+    for (int j = 0; j < W / 2; j++) h[j] = x[j] + x[j + W / 2];
+    for (int j = 0; j < W / 4; j++) h[j] += h[j + W / 4];
+    return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
 /* n (<= 16) floats from p, zeros after */
