@@ -93,11 +93,13 @@ def test_threads_split_the_blocks_not_the_sums(monkeypatch):
     threads = torch.get_num_threads()
     x, y, norm = torch.randn(50, 64), torch.randn(50, 64), torch.nn.LayerNorm(64)
     add_norm = lambda: cpu_decoding.add_norm(x, y.clone(), norm.weight, norm.bias, norm.eps)
+    w = torch.randn(384, 64)
+    product = lambda: cpu_decoding.linear(x, cpu_decoding.tile_keys(w), None, 384)
     try:
         torch.set_num_threads(1)
         one = cpu_decoding.attend(q, k, v, mask)
         with torch.no_grad():
-            normed = add_norm()
+            normed, multiplied = add_norm(), product()
         torch.set_num_threads(3)
         assert torch.equal(cpu_decoding.attend(q, k, v, mask), one)
         tiles = torch.zeros(16, 2, 3, 32, 16)  # written and moved by 3 threads
@@ -111,6 +113,7 @@ def test_threads_split_the_blocks_not_the_sums(monkeypatch):
         assert torch.equal(values[:, :, :39], v[:, :, 1:])
         with torch.no_grad():
             assert torch.equal(add_norm(), normed)
+            assert torch.equal(product(), multiplied)
     finally:
         torch.set_num_threads(threads)
 
@@ -200,8 +203,59 @@ def test_add_norm_is_layer_norm_of_the_sum(rows, d):
     assert cpu_decoding.add_norm(x, y, w, b, eps) is None  # a gradient to keep
 
 
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 16, 32), (5, 40, 32), (8, 384, 128), (13, 1000, 128), (64, 128, 512)]
+)
 @torch.no_grad()
-def test_a_cached_step_copies_nothing_in_torch():
+def test_packed_products_are_f_linear(m, n, k):
+    """cpu_decoding.linear on a weight packed as tile_keys packs keys: F.linear's to fp32
+    rounding, with and without a bias, rows of x spaced apart, each row's result the same
+    bitwise alone or among others."""
+    g = torch.Generator().manual_seed(m)
+    x, w, b = (
+        torch.randn(m, 2 * k, generator=g)[:, :k],
+        torch.randn(n, k, generator=g),
+        torch.randn(n),
+    )
+    panels = cpu_decoding.tile_keys(w)
+    for bias in (b, None):
+        got = cpu_decoding.linear(x, panels, bias, n)
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+        alone = cpu_decoding.linear(x[-1:].clone(), panels, bias, n)
+        assert torch.equal(got[-1:], alone)
+    assert cpu_decoding.linear(x.double(), panels.double(), None, n) is None
+    assert cpu_decoding.linear(x, panels[:, :-1], None, n) is None  # packed for another k
+    with torch.enable_grad():
+        assert cpu_decoding.linear(x.requires_grad_(), panels, b, n) is None
+
+
+@torch.no_grad()
+def test_linear_packs_its_weight_for_few_rows_and_again_when_it_changes():
+    """kernels.Linear keeps its weight packed for a decoding step's few rows, packs it again
+    after an update in place, and leaves products with gradients or many rows to torch."""
+    layer = kernels.Linear(32, 40)
+    x = torch.randn(6, 1, 32)
+    if not kernels.ONEDNN:
+        assert layer.panels(x) is None
+        return
+    panels = layer.panels(x)
+    assert panels is not None and panels.shape == (3, 32, 16)
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+    )
+    layer.weight.mul_(2.0)
+    assert layer.panels(x) is not panels
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+    )
+    assert layer.panels(x, 16).shape == (1, 32, 16) and layer.panels(x, 20) is None
+    assert layer.panels(torch.randn(kernels.ONEDNN_MIN_ROWS, 32)) is None
+    with torch.enable_grad():
+        assert layer.panels(x) is None
+
+
+@torch.no_grad()
+def test_a_cached_step_copies_nothing_in_torch(monkeypatch):
     """After the first step (which stores the encoder-decoder keys), a decoder step with the
     cache on a CPU leaves copies and LayerNorm to C: the attention's heads come out side
     by side for W^O, new keys and values go into the cache by put_slots, each residual's add
@@ -222,13 +276,18 @@ def test_a_cached_step_copies_nothing_in_torch():
     memory, cache = model.encode(src), model.new_cache(8)
     tgt = torch.full((12, 1), BOS)  # 4 rows per sentence: a beam
     model.decode(tgt, memory, src == PAD, cache)
+    in_c, linear = [], cpu_decoding.linear
+    monkeypatch.setattr(cpu_decoding, "linear", lambda *a: in_c.append(linear(*a)) or in_c[-1])
     with Ops() as ops:
         for token in (5, 6, 7):
             model.decode(torch.full((12, 1), token), memory, src == PAD, cache)
     names = set(ops.names)
     assert not names & {"copy_.default", "clone.default", "native_layer_norm.default"}, names
     products = {"addmm.default", "mm.default", "_linear_pointwise.default"}
-    assert sum(name in products for name in ops.names) == 3 * 13  # 6 a layer, the output's
+    in_torch = sum(name in products for name in ops.names)
+    assert in_torch + sum(y is not None for y in in_c) == 3 * 13  # 6 a layer, the output's
+    if kernels.ONEDNN:  # AVX-512: 12 rows, all in cpu_decoding's packed products
+        assert in_torch == 0
 
 
 @torch.no_grad()
@@ -441,7 +500,10 @@ def test_without_avx512_the_portable_loops_give_the_same(fresh, monkeypatch):
     with torch.no_grad():
         want = norm(x + y)
         got = cpu_decoding.add_norm(x, y, norm.weight, norm.bias, norm.eps)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        w = torch.randn(40, 64)
+        got = cpu_decoding.linear(x, cpu_decoding.tile_keys(w), None, 40)
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_an_openmp_build_that_does_not_load_gives_way_to_one_without(fresh, monkeypatch):

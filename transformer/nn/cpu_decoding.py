@@ -1,9 +1,9 @@
 """A decoding step's hot loops on a CPU in C (cpu_decoding.c says why and how): `attend`,
 which kernels.attention calls for a step's few queries; `add_norm`, a residual connection's
 add and LayerNorm (kernels.add_norm); `put_slots` and `keep_slots`, which write a step's
-keys and values into the decoder's cache and compact it in place (kv_cache.py); and
-`best_extensions`, beam search's best candidates of each sentence
-(transformer/decoding/search.py).
+keys and values into the decoder's cache and compact it in place (kv_cache.py); `linear`,
+products of a few rows with a weight packed once (kernels.Linear); and `best_extensions`,
+beam search's best candidates of each sentence (transformer/decoding/search.py).
 
 The C source is compiled at first use, for this machine (`-march=native`), into the user's
 cache (`$XDG_CACHE_HOME/transformer-mt/`, else `~/.cache/transformer-mt/`), under a name
@@ -15,8 +15,8 @@ libgomp: one pool of threads for torch's ops and these), or builds without OpenM
 compiler has none or its OpenMP build does not load (Clang without libomp), and then runs
 only with one thread. Without a C compiler, or where the build fails, they decline (one
 warning says why) and their callers keep torch's ops: attention's two batched products,
-an add and layer_norm, copies, an add and topk; the same results to rounding (topk: the
-same, ties aside), slower.
+an add and layer_norm, copies, MKL's products, an add and topk; the same results to
+rounding (topk: the same, ties aside), slower.
 
 `attend` declines (returns None) what it was not built for: other dtypes, more than
 MAX_QUERIES queries or MAX_HEAD dimensions per head, a last dimension that is not contiguous,
@@ -135,6 +135,32 @@ def add_norm(x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, eps: float) -> 
         bias.data_ptr(), eps, y.data_ptr(),
     )  # fmt: skip
     return y
+
+
+def linear(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor | None:
+    """x (..., K) w^T + bias for a weight w (n, K) packed as tile_keys(w), (ceil(n / 16), K,
+    16): F.linear's to rounding; None where the kernel does not take these inputs (anything
+    but fp32 on a CPU without gradients, rows of x not contiguous) or could not be built."""
+    lib, threads = _ready()
+    k = x.size(-1)
+    if lib is None or panels.shape != (-(-n // TILE), k, TILE) or not panels.is_contiguous():
+        return None
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        return None
+    for t in (x, panels, bias):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            return None
+        if t is not None and t.requires_grad and torch.is_grad_enabled():
+            return None
+    rows = x.reshape(-1, k)
+    if k > 1 and rows.stride(1) != 1:
+        return None
+    y = x.new_empty(rows.size(0), n)
+    lib.linear(
+        rows.size(0), n, k, threads, rows.data_ptr(), rows.stride(0), panels.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], n)
 
 
 def reads_tiles(t: Tensor) -> bool:
@@ -273,7 +299,8 @@ def _load() -> tuple[ctypes.CDLL, bool]:
         lib.move_slots.argtypes = [i64] * 4 + [ctypes.c_int] * 2 + [ptr] * 4 + [i64, ptr]
         f32 = ctypes.c_float
         lib.add_norm.argtypes = [i64, i64, ctypes.c_int] + [ptr] * 4 + [f32, ptr]
-        for f in (lib.attend, lib.best_extensions, lib.move_slots, lib.add_norm):
+        lib.linear.argtypes = [i64] * 3 + [ctypes.c_int, ptr, i64] + [ptr] * 3 + [i64]
+        for f in (lib.attend, lib.best_extensions, lib.move_slots, lib.add_norm, lib.linear):
             f.restype = None
         return lib, bool(openmp)
     raise OSError(f"{cc} failed: {error.strip()}")

@@ -11,10 +11,14 @@ oneDNN's linear (the op torch.compile's CPU backend calls) has no autograd formu
 libraries run AVX2 kernels: there oneDNN is no faster on large products and up to 2.5x
 slower on the few rows of a decoding step (it reorders the weights at each call; AMD EPYC
 family 25 model 1), so it is not used. Products of fewer than ONEDNN_MIN_ROWS rows (a
-decoding step's hypotheses) stay on MKL too: torch's oneDNN call costs ~20 us more than
-MKL's before any arithmetic (it describes the operands and looks its primitive up at each
-call), more than a product of a few rows takes. Anywhere else (GPU, bf16, autocast,
-torch.compile tracing, a torch without oneDNN) it is F.linear.
+decoding step's hypotheses) do not go to oneDNN either: torch's oneDNN call costs ~20 us
+more than MKL's before any arithmetic (it describes the operands and looks its primitive
+up at each call), more than a product of a few rows takes. Without gradients a `Linear`
+runs them on its weight packed once for cpu_decoding's `linear` (`Linear.panels`), where
+MKL and oneDNN pack it at every call: 1.3-2.3x MKL on a step's 13 products of 4-128 rows,
+the weights read from memory (benchmarks/results/2026-11-28-zen4-decode/NOTES.md); with
+gradients, MKL's F.linear. Anywhere else (GPU, bf16, autocast, torch.compile tracing, a
+torch without oneDNN) it is F.linear.
 
 Dropout (`Dropout`): torch's CPU dropout draws its mask with bernoulli_, ~4x slower than a
 uniform draw and a comparison; on a CPU the mask is drawn so (same distribution, same
@@ -47,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer.nn import cpu_decoding
+from transformer.nn.cpu_decoding import TILE
 
 # oneDNN for fp32 products on a CPU with AVX-512 (see the module docstring).
 ONEDNN = (
@@ -78,9 +83,15 @@ def c_path(t: Tensor) -> bool:
     return cpu_path(t) and not torch.compiler.is_compiling()
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, panels: Tensor | None = None
+) -> Tensor:
     """x (..., in) @ weight (out, in)^T + bias (out,): F.linear's contract. `weight` may be
-    any strided view (a transpose, a slice): the loss passes W^T and activations as weights."""
+    any strided view (a transpose, a slice): the loss passes W^T and activations as weights.
+    `panels`: the weight packed by `Linear.panels`, for a product of few rows on a CPU."""
+    y = None if panels is None else cpu_decoding.linear(x, panels, bias, weight.size(0))
+    if y is not None:
+        return y
     if not _onednn(x, weight):
         return F.linear(x, weight, bias)
     tracked = (t is not None and t.requires_grad for t in (x, weight, bias))
@@ -92,8 +103,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state_dict keys) computed by `linear`."""
 
+    # (the weight's address and version, the weight packed for cpu_decoding.linear)
+    _panels: tuple[tuple[int, int], Tensor] | None = None
+
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.panels(x))
+
+    def panels(self, x: Tensor, rows: int | None = None) -> Tensor | None:
+        """The weight (its first `rows` outputs) packed for cpu_decoding.linear, where x's
+        product has few rows (a decoding step's) on a CPU without gradients, else None.
+        Packed once, again whenever the weight changes (its address or version)."""
+        w = self.weight
+        if not (_few_rows(x) and w.dtype == torch.float32 and not torch.is_grad_enabled()):
+            return None
+        if self._panels is None or self._panels[0] != (w.data_ptr(), w._version):
+            self._panels = ((w.data_ptr(), w._version), cpu_decoding.tile_keys(w.detach()))
+        if rows is None or rows == w.size(0):
+            return self._panels[1]
+        return self._panels[1][: rows // TILE] if rows % TILE == 0 else None
 
 
 class Dropout(nn.Dropout):
@@ -174,6 +201,11 @@ def _onednn(x: Tensor, weight: Tensor) -> bool:
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
     )
+
+
+def _few_rows(x: Tensor) -> bool:
+    """Products that MKL, not oneDNN, would run (ONEDNN_MIN_ROWS), on a CPU with AVX-512."""
+    return ONEDNN and c_path(x) and x.numel() < ONEDNN_MIN_ROWS * x.size(-1)
 
 
 def _few_queries(q: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -82,7 +82,7 @@ class MultiHeadAttention(nn.Module):
             return qkv.unbind(0)
         d = x.size(-1)
         w, b = self.in_proj.weight, self.in_proj.bias
-        q = self._heads(linear(x, w[:d], b[:d]))[0]  # (B, h, T, d_k)
+        q = self._heads(linear(x, w[:d], b[:d], self.in_proj.panels(x, d)))[0]  # (B, h, T, d_k)
         if cache:  # encoder-decoder keys and values: computed once per sentence
             return q, cache["k"], cache["v"]
         k, v = self._heads(linear(memory, w[d:], b[d:]))  # 2 x (B', h, S, d_k)
