@@ -114,7 +114,7 @@ class Linear(nn.Linear):
         product has few rows (a decoding step's) on a CPU without gradients, else None.
         Packed once, again whenever the weight changes (its address or version)."""
         w = self.weight
-        if not (_few_rows(x) and w.dtype == torch.float32 and not torch.is_grad_enabled()):
+        if torch.is_grad_enabled() or w.dtype != torch.float32 or not _few_rows(x):
             return None
         if self._panels is None or self._panels[0] != (w.data_ptr(), w._version):
             self._panels = ((w.data_ptr(), w._version), cpu_decoding.tile_keys(w.detach()))
