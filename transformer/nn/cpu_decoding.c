@@ -369,11 +369,11 @@ void add_norm(int64_t R, int64_t D, int threads, const float *x, const float *y,
 
 /* Products of a few rows (a decoding step's hypotheses) with weights packed once:
  * y (M, N) = x (M, K) w^T + b, w in panels of 16 outputs, (ceil(N / 16), K, 16), the
- * layout of tile_keys (zeros past N). Why not a BLAS: on 4-128 rows MKL and oneDNN pack
- * the weights at every call and run at 20-65 GFLOP/s on a decoding step's 13 products;
- * here the packed panels stream from memory once per call, two at a time against up to
- * 8 rows held in registers (1.3-2.3x, cpu_decoding.py). Each output is its bias plus the
- * products summed over k in order, whichever rows are there. */
+ * layout of tile_keys (zeros past N). Why not a BLAS: on 4-255 rows MKL packs the
+ * weights at every call and runs a decoding step's 13 products at 20-87 GFLOP/s; here the
+ * packed panels stream from memory once per call, two at a time against up to 8 rows held
+ * in registers (1.2-1.4x, kernels.py). Each output is its bias plus the products summed
+ * over k in order, whichever rows are there. */
 #define ROWS 8
 
 static inline __attribute__((always_inline)) void panel_rows(

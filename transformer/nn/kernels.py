@@ -15,7 +15,7 @@ decoding step's hypotheses) do not go to oneDNN either: torch's oneDNN call cost
 more than MKL's before any arithmetic (it describes the operands and looks its primitive
 up at each call), more than a product of a few rows takes. Without gradients a `Linear`
 runs them on its weight packed once for cpu_decoding's `linear` (`Linear.panels`), where
-MKL and oneDNN pack it at every call: 1.3-2.3x MKL on a step's 13 products of 4-128 rows,
+MKL and oneDNN pack it at every call: 1.2-1.4x MKL on a step's 13 products of 4-255 rows,
 the weights read from memory (benchmarks/results/2026-11-28-zen4-decode/NOTES.md); with
 gradients, MKL's F.linear. Anywhere else (GPU, bf16, autocast, torch.compile tracing, a
 torch without oneDNN) it is F.linear.
