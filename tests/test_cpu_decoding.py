@@ -247,6 +247,8 @@ def test_linear_packs_its_weight_for_few_rows_and_again_when_it_changes():
     assert layer.panels(torch.randn(kernels.ONEDNN_MIN_ROWS, 32)) is None
     with torch.enable_grad():
         assert layer.panels(x) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # its products are bf16
+        assert layer.panels(x) is None
 
 
 @torch.no_grad()

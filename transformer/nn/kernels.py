@@ -204,8 +204,10 @@ def _onednn(x: Tensor, weight: Tensor) -> bool:
 
 
 def _few_rows(x: Tensor) -> bool:
-    """Products that MKL, not oneDNN, would run (ONEDNN_MIN_ROWS), on a CPU with AVX-512."""
-    return ONEDNN and c_path(x) and x.numel() < ONEDNN_MIN_ROWS * x.size(-1)
+    """Products that MKL, not oneDNN, would run (ONEDNN_MIN_ROWS), on a CPU with AVX-512,
+    outside autocast (whose products are bf16)."""
+    few = x.numel() < ONEDNN_MIN_ROWS * x.size(-1)
+    return ONEDNN and few and c_path(x) and not torch.is_autocast_enabled("cpu")
 
 
 def _few_queries(q: Tensor, k: Tensor, v: Tensor) -> bool:
