@@ -20,8 +20,9 @@ rounding (topk: the same, ties aside), slower.
 
 `attend` declines (returns None) what it was not built for: other dtypes, more than
 MAX_QUERIES queries or MAX_HEAD dimensions per head, a last dimension that is not contiguous,
-a mask broadcast along the keys. `best_extensions` and `add_norm` decline anything but
-contiguous fp32 (add_norm: without gradients, a width that is a multiple of 16).
+a mask broadcast along the keys. `best_extensions`, `add_norm` and `linear` decline
+anything but contiguous fp32 (add_norm: without gradients, a width that is a multiple of 16;
+linear: panels packed for another width).
 
 Keys in tiles: `attend` reads keys as rows (..., L, d_k), or, faster, as `tile_keys` lays
 them out: 16 keys at a time transposed, (..., ceil(L / 16), d_k, 16), the layout its score
@@ -62,9 +63,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     be in tiles: `tile_keys`) and a mask broadcast to (B, h, M, L), additive or boolean
     (True: may attend; the encoder's, where a batch has a few source tokens); None where
     the kernel does not take these inputs (see the module docstring) or could not be built.
-    The result (B, h, M, d_k) lies in memory as (B, M, h, d_k), as F.scaled_dot_product_attention's
-    CPU kernels leave theirs: each query's heads side by side, concatenated for W^O without
-    a copy (model.py)."""
+    The result (B, h, M, d_k) lies in memory as (B, M, h, d_k): each query's heads side by
+    side, concatenated for W^O without a copy (model.py)."""
     lib, threads = _ready()
     if lib is None or not _takes(q, k, v, mask):
         return None
@@ -167,7 +167,7 @@ def reads_tiles(t: Tensor) -> bool:
 
 def tile_keys(k: Tensor) -> Tensor:
     """Keys k (..., L, d_k) -> (..., ceil(L / 16), d_k, 16): slot l in tile l // 16, lane
-    l % 16 (the lanes past L zero)."""
+    l % 16 (the lanes past L zero). A weight (out, in) so becomes `linear`'s panels."""
     n = k.size(-2)
     tiles = -(-n // TILE)
     rows = F.pad(k, (0, 0, 0, tiles * TILE - n)) if n % TILE else k
@@ -178,7 +178,8 @@ def put_slots(dest: Tensor, rows: Tensor, start: int) -> None:
     """New keys or values, rows (B, h, n, d_k), into slots start .. start + n - 1 of a
     cache's dest: values (B, h, slots, d_k), or keys in tiles (B, h, tiles, d_k, 16) (the
     library is built: `reads_tiles` said so)."""
-    assert rows.stride(3) == 1 and start + rows.size(2) <= _slots(dest)
+    room = dest.size(2) * TILE if dest.dim() == 5 else dest.size(2)
+    assert rows.stride(3) == 1 and start + rows.size(2) <= room
     _move_slots(dest, rows.size(2), rows, rows.stride()[:3], start, None)
 
 
@@ -187,10 +188,6 @@ def keep_slots(dest: Tensor, slots: Tensor) -> None:
     slots[b, j] < j (slots that no row sees, kv_cache) slot j gets some slot of its row."""
     slots = slots.contiguous()
     _move_slots(dest, slots.size(1), None, (0, 0, 0), 0, slots)
-
-
-def _slots(dest: Tensor) -> int:
-    return dest.size(2) * TILE if dest.dim() == 5 else dest.size(2)
 
 
 def _move_slots(
