@@ -182,6 +182,23 @@ def test_output_is_the_same_for_any_workers_and_chunking(corpus, shards, tmp_pat
     assert other["config"]["workers"] == 2  # recorded, but not part of the fingerprint
 
 
+@pytest.mark.parametrize(("read_rows", "pool"), [(100, 3), (100_000, None)])
+def test_no_more_workers_start_than_a_role_has_chunks(
+    corpus, tmp_path, monkeypatch, read_rows, pool
+):
+    """Starting a worker costs seconds (it imports the caller's main module): a corpus of one
+    chunk a role (300 rows here) is encoded in this process."""
+    clean, model = corpus
+    monkeypatch.setattr(shard, "READ_ROWS", read_rows)
+    started = []
+    real = shard.ProcessPoolExecutor
+    monkeypatch.setattr(
+        shard, "ProcessPoolExecutor", lambda n, **kw: started.append(n) or real(n, **kw)
+    )
+    encode_and_shard(clean, model, CFG.model_copy(update={"workers": 8}), tmp_path / "o")
+    assert started == ([pool] if pool else [])
+
+
 def test_a_failure_leaves_no_output_and_keeps_the_old_one(corpus, tmp_path, monkeypatch):
     clean, model = corpus
     out = tmp_path / "shards"

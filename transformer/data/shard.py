@@ -13,10 +13,11 @@ length"). `id` is the row of the pair in its cleaned parquet file; `src` and `tg
 with EOS, and the trainer builds the decoder input as [BOS] + tgt[:-1].
 
 The corpus streams through in chunks of READ_ROWS rows, encoded by a pool of processes
-that each load the model once; only the per-bucket buffers (at most rows_per_shard rows
-each) sit in memory. The chunk results come back in order and every file but a bucket's
-last holds exactly rows_per_shard rows, so the output is byte-identical for any number of
-workers, and the fingerprint names the data, not the run.
+that each load the model once (no more than a role has chunks; none for a corpus of one
+chunk a role); only the per-bucket buffers (at most rows_per_shard rows each) sit in
+memory. The chunk results come back in order and every file but a bucket's last holds
+exactly rows_per_shard rows, so the output is byte-identical for any number of workers,
+and the fingerprint names the data, not the run.
 
 BPE-dropout (`src_bpe_dropout` or `tgt_bpe_dropout` > 0; Provilkov et al., 2020) is the
 exception: the training split is encoded `copies` times (`id` repeats), the merges of a side
@@ -89,12 +90,14 @@ def encode_and_shard(clean_dir: Path, spm_model: Path, cfg: ShardConfig, out_dir
     load_spm(spm_model)  # wrong special ids: fail here, not in a worker
     with atomic_dir(out_dir) as tmp:
         shutil.copyfile(spm_model, tmp / SPM_MODEL)
-        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, _n_workers(cfg.workers)) as encode:
+        plain = (1, (0.0, 0.0))  # valid and test: as the decoder sees text
+        sampled = (cfg.copies, (cfg.src_bpe_dropout, cfg.tgt_bpe_dropout))
+        plans = {role: sampled if role == "train" else plain for role in ROLES}
+        workers = _n_workers(cfg.workers, parquets, plans)
+        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, workers) as encode:
             roles = {}
-            plain = (1, (0.0, 0.0))  # valid and test: as the decoder sees text
-            sampled = (cfg.copies, (cfg.src_bpe_dropout, cfg.tgt_bpe_dropout))
             for role, path in parquets.items():
-                copies, dropout = sampled if role == "train" else plain
+                copies, dropout = plans[role]
                 roles[role] = _shard_role(
                     path, encode, tmp / role, cfg.rows_per_shard, copies, dropout
                 )
@@ -245,8 +248,16 @@ def _ordered_map(pool: ProcessPoolExecutor, chunks: Iterator[Chunk], window: int
         yield pending.popleft().result()
 
 
-def _n_workers(workers: int) -> int:
-    return workers or len(os.sched_getaffinity(0))
+def _n_workers(workers: int, parquets: dict[str, Path], plans: dict[str, tuple]) -> int:
+    """`workers` (0: the cores), but no more than the most chunks a role has: the pool
+    encodes one role at a time, and starting it costs seconds (each worker imports the
+    caller's main module, under the flow Prefect and MLflow), so a corpus of one chunk a
+    role is encoded in this process."""
+    chunks = max(
+        -(-pq.ParquetFile(parquets[role]).metadata.num_rows // READ_ROWS) * plans[role][0]
+        for role in parquets
+    )
+    return max(1, min(workers or len(os.sched_getaffinity(0)), chunks))
 
 
 # --------------------------------------------------------------------------- one role
