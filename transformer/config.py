@@ -172,7 +172,7 @@ class ShardConfig(Section):
 
     bucket_width: int = Field(8, ge=1)
     rows_per_shard: int = Field(200_000, ge=1)
-    workers: int = operational(0, ge=0)  # encoding processes; 0 = all cores
+    workers: int = operational(0, ge=0)  # encoding processes; 0 = all cores (at most the chunks)
     # BPE-dropout (Provilkov et al., 2020), a rate per side as OpenNMT's src/tgt_subword_alpha
     # and Marian's --sentencepiece-alphas: the training split is encoded `copies` times, each
     # merge skipped with that probability, every copy a fresh draw (not replayable: see
