@@ -75,6 +75,9 @@ def test_each_phase_measures_what_it_names(tiny_proof):
     graphs = phase["cuda-graphs"]["tables"][""]
     assert len(graphs[0]["B x S x T"].split()) == 2  # two shape classes
     assert all(math.isfinite(g["loss at end"]) and g["tgt tok/s"] > 0 for g in graphs)
+    assert all(g["graphs / eager"] > 0 for g in graphs)  # eager on the same two batches
+    notes = " ".join(phase["cuda-graphs"]["notes"])  # the rate kept before the profiler ran
+    assert f"{graphs[0]['config']}, graphs: {graphs[0]['tgt tok/s']:,.0f} tgt tok/s" in notes
     loop = phase["real-loop"]["tables"][""]
     assert [r["settings"] for r in loop] == ["today's", "best"]
     assert all(r["tgt tok/s"] > 0 for r in loop)

@@ -19,6 +19,7 @@ from benchmarks.gpu_report.fixed_shapes import (
     release,
 )
 from benchmarks.gpu_report.section import Ctx, Skipped
+from benchmarks.measure import timed
 
 GRAPH_LR = 1e-4  # the captured updates' constant learning rate (a graph holds its value)
 
@@ -32,7 +33,8 @@ def cuda_graphs(ctx: Ctx) -> None:
         "each class's update captured once (after two eager updates per class on a side "
         "stream), the classes' graphs sharing one memory pool, each replay on its class's one "
         f"batch; Adam fused and capturable, its learning rate a constant {GRAPH_LR:g}; loss: "
-        "per target token, the first class's, before the timed updates and after them",
+        "per target token, the first class's, before the timed updates and after them; "
+        "eager tgt tok/s: the same update run eagerly on the same classes, after the graphs",
         rates_note(ctx),
     )
     if not ctx.cuda:
@@ -62,9 +64,22 @@ def graph_case(ctx: Ctx, name: str) -> dict:
     row["capture s"] = time.perf_counter() - start if ctx.cuda else None
     loss = lambda: update(0).item() / classes[0][3].numel()
     row["loss at start"] = loss()
-    row.update(rates(ctx, update, classes, params))
+    row.update(rates(ctx, update, classes, params, progress=f"{name}, graphs"))
     row["loss at end"] = loss()
+    # The graphs' gain alone: the same update, eager, on the same classes (off CUDA both are).
+    row["eager tgt tok/s"] = eager_rate(ctx, cycle(step, classes), classes)
+    row["graphs / eager"] = row["tgt tok/s"] / row["eager tgt tok/s"]
     return row
+
+
+def eager_rate(ctx: Ctx, update: Callable, classes: list) -> float:
+    """Target tokens/s of `update` run eagerly: a warm-up round, then sizes.steps updates."""
+    s = ctx.sizes
+    with ctx.tree.model_step.attention_context(ctx.device):
+        for i in range(len(classes)):
+            update(i)
+        seconds = timed(lambda: [update(i) for i in range(s.steps)], ctx.device)
+    return sum(classes[i % len(classes)][3].numel() for i in range(s.steps)) / seconds
 
 
 def captured(step: Callable, classes: list) -> Callable[[int], torch.Tensor]:

@@ -60,7 +60,8 @@ def batch_shapes(batches: list) -> dict:
 def rates(ctx: Ctx, update: Callable, batches: list, params, progress: str = "") -> dict:
     """The first update alone, the rest of the warm-up, then sizes.steps timed updates and
     sizes.profiled profiled ones; update(i) runs on batches[i % n]. `progress`: a name under
-    which the warm-up's times are noted as they come (a section killed then keeps them)."""
+    which the warm-up's times and the timed rate are noted as they come (a section killed,
+    or one whose profiling fails, then keeps them)."""
     s, dev, model_step = ctx.sizes, ctx.device, ctx.tree.model_step
     run = lambda first, n: [update(i) for i in range(first, first + n)]
     with model_step.attention_context(dev):
@@ -71,13 +72,15 @@ def rates(ctx: Ctx, update: Callable, batches: list, params, progress: str = "")
         if progress:
             ctx.note(f"{progress}: {s.warmup - 1} more warm-up updates took {warm:.1f} s")
         seconds = timed(lambda: run(s.warmup, s.steps), dev)
+    measured = [batches[i % len(batches)] for i in range(s.warmup, s.warmup + s.steps)]
+    tokens = sum(b[3].numel() for b in measured)
+    if progress:
+        ctx.note(f"{progress}: {tokens / seconds:,.0f} tgt tok/s over {s.steps} timed updates")
     work = lambda: run(0, s.profiled)
     summary = profiled(dev, lambda: None, work, "", model_step.attention_context(dev))[0]
-    measured = [batches[i % len(batches)] for i in range(s.warmup, s.warmup + s.steps)]
     with torch.device("meta"):  # shapes only, for the FLOP count
         shape = model_step.Transformer(params.model, params.vocab.size)
     flops = sum(model_step.step_flops(shape, b) for b in measured)
-    tokens = sum(b[3].numel() for b in measured)
     per = lambda key: None if summary[key] is None else summary[key] / s.profiled
     return {
         "first update s": first,
