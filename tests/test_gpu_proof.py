@@ -107,6 +107,21 @@ def test_a_phase_over_its_time_limit_is_killed_and_the_run_goes_on(tmp_path):
     assert "killed: over its time limit" in markdown and "\n## eager-after\n" in markdown
 
 
+def test_a_phase_that_finished_is_not_held_by_its_teardown(tmp_path, monkeypatch):
+    """A hang at interpreter exit (here an atexit handler; on a GPU, compile workers or the
+    profiler's teardown) costs nothing once the phase's result is saved."""
+    hang = "atexit.register(lambda: '--child' in sys.argv and time.sleep(60))"
+    hang = f"import atexit, sys, time\n{hang}\n"
+    (tmp_path / "sitecustomize.py").write_text(hang)  # in the phase's process only
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = tmp_path / "proof"
+    done = run_proof("--device", "cpu", "--tiny", "--out", str(out), "--only", "environment",
+                     "--limit", "environment=30")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (record,) = records(out)
+    assert record["status"] == "ok", record  # not killed at its limit
+
+
 @pytest.mark.parametrize(
     "plan, title, left",
     [(proof.PLAN, "environment", 7.0), (report.PLAN, "checkpoint", -1.0)],

@@ -14,6 +14,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -88,7 +89,7 @@ def job_of(ctx: Ctx, plan: Plan, section: Section) -> dict:
     }
 
 
-def child(job_file: Path, plans: dict[str, Plan]) -> int:
+def child(job_file: Path, plans: dict[str, Plan]) -> NoReturn:
     """One section, in this process: its result file says how far it got, at every row."""
     job = json.loads(job_file.read_text())
     plan = plans[job["plan"]]
@@ -104,7 +105,11 @@ def child(job_file: Path, plans: dict[str, Plan]) -> int:
     )
     quiet(ctx.tiny)
     execute(plan.section(job["section"]).function(), ctx)
-    return 0
+    # Its result is saved: out now, without the interpreter's teardown, where a section
+    # that finished could still hang past its limit (Inductor's compile workers, CUPTI).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def quiet(tiny: bool) -> None:
