@@ -72,6 +72,8 @@ def test_each_phase_measures_what_it_names(tiny_proof):
     assert f"{ROOT}/transformer/" in " ".join(phase["eager-after"]["notes"])
     (compiled,) = phase["compile"]["tables"][""]
     assert compiled["graph_breaks"] == 0 and compiled["tgt tok/s"] > 0
+    # AOTAutograd's part rehearsed too (functionalized, partitioned): inductor's input on a GPU
+    assert "backend aot_eager off CUDA" in " ".join(phase["compile"]["notes"])
     graphs = phase["cuda-graphs"]["tables"][""]
     assert len(graphs[0]["B x S x T"].split()) == 2  # two shape classes
     assert all(math.isfinite(g["loss at end"]) and g["tgt tok/s"] > 0 for g in graphs)

@@ -1,7 +1,8 @@
 """The proof's compile: eager-after's update with each layer compiled
 (transformer/training/compiled.py): the first update's seconds (compiling), graphs,
-recompiles and graph breaks, then the rates. Off CUDA dynamo traces (fullgraph, the counts)
-but generates no code: inductor's C++ would take minutes of a CPU rehearsal."""
+recompiles and graph breaks, then the rates. Off CUDA dynamo and AOTAutograd trace (fullgraph,
+the counts; the backward's graph, functionalized and partitioned, as inductor gets it) but
+generate no code: inductor's C++ would take minutes of a CPU rehearsal."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from benchmarks.gpu_report.fixed_shapes import batch_shapes, cycle, prepare, rat
 from benchmarks.gpu_report.section import Ctx
 from transformer.training.compiled import compile_layers, compile_stats
 
-OFF_CUDA_BACKEND = "eager"
+OFF_CUDA_BACKEND = "aot_eager"
 
 
 def compiled(ctx: Ctx) -> None:
@@ -28,7 +29,8 @@ def compiled(ctx: Ctx) -> None:
     ctx.note(
         f"{name} only (big: the real loop's best case compiles it); compile_layers: each "
         f"encoder and decoder layer compiled (fullgraph, symbolic sizes), the loss's chunks "
-        f"too; backend {backend}" + ("" if ctx.cuda else " off CUDA (dynamo's tracing alone)"),
+        f"too; backend {backend}"
+        + ("" if ctx.cuda else " off CUDA (dynamo's and AOTAutograd's tracing, no code generated)"),
         "first update s: its compilation included; warm-up s: the other fixed shapes' "
         "updates (a recompilation only where a shape specialises)",
         rates_note(ctx),
