@@ -100,16 +100,21 @@ def summary(sections: dict, sizes: Sizes) -> dict[str, list[dict]]:
     for name in sizes.configs:
         row = {"config": name}
         for title, label in labels.items():
-            found = next((r for r in rows(sections, title) if r["config"] == name), {})
+            found = config_row(sections, title, name)
             row[f"{label} tgt tok/s"] = found.get("tgt tok/s")
             row[f"{label} kernels/update"] = found.get("kernels/update")
         before, after = row["before tgt tok/s"], row["after tgt tok/s"]
         row["after / before"] = after / before if before and after else None
         # The graphs run on two of the batches: their gain is against eager on those two.
-        graphs = next((r for r in rows(sections, "cuda-graphs") if r["config"] == name), {})
+        graphs = config_row(sections, "cuda-graphs", name)
         row["CUDA graphs / eager, their batches"] = graphs.get("graphs / eager")
         made.append(row)
     return {"Fixed shapes, target tokens/s": made}
+
+
+def config_row(sections: dict, title: str, name: str) -> dict:
+    """Section `title`'s row of config `name`, or {}."""
+    return next((r for r in rows(sections, title) if r["config"] == name), {})
 
 
 PLAN = Plan(

@@ -93,14 +93,16 @@ def encode_and_shard(clean_dir: Path, spm_model: Path, cfg: ShardConfig, out_dir
         plain = (1, (0.0, 0.0))  # valid and test: as the decoder sees text
         sampled = (cfg.copies, (cfg.src_bpe_dropout, cfg.tgt_bpe_dropout))
         plans = {role: sampled if role == "train" else plain for role in ROLES}
-        workers = _n_workers(cfg.workers, parquets, plans)
-        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, workers) as encode:
+        rows = {role: pq.ParquetFile(path).metadata.num_rows for role, path in parquets.items()}
+        chunks = max(-(-rows[role] // READ_ROWS) * plans[role][0] for role in ROLES)
+        with _encoder(tmp / SPM_MODEL, cfg.bucket_width, _n_workers(cfg.workers, chunks)) as encode:
             roles = {}
             for role, path in parquets.items():
                 copies, dropout = plans[role]
                 roles[role] = _shard_role(
-                    path, encode, tmp / role, cfg.rows_per_shard, copies, dropout
-                )
+                    path, rows[role] * copies, encode, tmp / role, cfg.rows_per_shard, copies,
+                    dropout,
+                )  # fmt: skip
         manifest = _manifest(cfg, parquets, tmp / SPM_MODEL, roles)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return manifest
@@ -248,15 +250,11 @@ def _ordered_map(pool: ProcessPoolExecutor, chunks: Iterator[Chunk], window: int
         yield pending.popleft().result()
 
 
-def _n_workers(workers: int, parquets: dict[str, Path], plans: dict[str, tuple]) -> int:
-    """`workers` (0: the cores), but no more than the most chunks a role has: the pool
-    encodes one role at a time, and starting it costs seconds (each worker imports the
-    caller's main module, under the flow Prefect and MLflow), so a corpus of one chunk a
-    role is encoded in this process."""
-    chunks = max(
-        -(-pq.ParquetFile(parquets[role]).metadata.num_rows // READ_ROWS) * plans[role][0]
-        for role in parquets
-    )
+def _n_workers(workers: int, chunks: int) -> int:
+    """`workers` (0: the cores), but no more than `chunks`, the most chunks a role has: the
+    pool encodes one role at a time, and starting it costs seconds (its forkserver imports
+    the caller's main module: under the flow, Prefect, MLflow and torch), so a corpus of one
+    chunk a role is encoded in this process."""
     return max(1, min(workers or len(os.sched_getaffinity(0)), chunks))
 
 
@@ -290,14 +288,15 @@ def _read_text(path: Path) -> Iterator[tuple[int, pa.Array, pa.Array]]:
 
 def _shard_role(
     parquet: Path,
+    rows: int,
     encode: Encode,
     role_dir: Path,
     limit: int,
     copies: int,
     dropout: tuple[float, float],
 ) -> dict:
+    """`parquet`'s `rows` pairs (its copies counted) into shards at `role_dir`."""
     writer = _RoleWriter(role_dir, limit)
-    rows = pq.ParquetFile(parquet).metadata.num_rows * copies
     progress = Progress(f"encoding {role_dir.name}", rows, "pairs", log)
     for encoded in encode(_read_chunks(parquet, copies, dropout)):
         for bucket, batch in encoded.items():
