@@ -30,9 +30,10 @@ import logging
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
-from prefect.states import Failed
+from prefect.states import Failed, State
 
 from flows.local_api import LocalApiError, check_api, local_api
+from tasks.distill import check_teachers
 from tasks.publish import publish, summary_lines
 from tasks.runner import ONE_LINE, SERVER_LOST, run_stage, user_failure
 from tasks.settings import RunParams, experiment_name, load_run_params, tracking_uri
@@ -97,18 +98,19 @@ def wmt14_ende(
     try:
         # Read and validated here, once: every task gets the tree, none reads the file.
         resolved = load_run_params(params, list(overrides or []))
+        check_teachers(resolved, Path(params))
         key = params_hash(resolved)
         work = Path(work_dir).resolve()
         # One flow per params in a work dir: a second one waits, then finds the stages done.
         lock = work / "runs" / f".{key}.lock"
         with locked(lock, waiting(lock)):
-            return run_stages(resolved, key, Path(params).stem, work, refresh)
+            return run_stages(resolved, key, Path(params), work, refresh)
     except Exception as err:
         return user_failure("wmt14-ende", err)
 
 
-def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool):
-    opened = open_run(params, key, stem, str(work), return_state=True)
+def run_stages(params: RunParams, key: str, params_file: Path, work: Path, refresh: bool):
+    opened = open_run(params, key, params_file.stem, str(work), return_state=True)
     if opened.name in ONE_LINE:  # a state of its own: a task's would count as "1 failed"
         return Failed(name=opened.name, message=opened.message)
     run = opened.result()
@@ -118,6 +120,11 @@ def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool
             if stage.asked is not None and not stage.asked(params):
                 continue  # no record: the stages that read it leave it out
             upstream = {name: records[name] for name in stage.inputs if name in records}
+            pipelines = run_pipelines(stage, params, params_file, work)
+            if isinstance(pipelines, State):
+                mark_failed(run)
+                return pipelines
+            upstream |= pipelines
             state = run_stage.with_options(name=stage.name)(
                 stage.name, params, run, upstream, refresh, return_state=True
             )
@@ -136,6 +143,31 @@ def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool
     with store_errors(run["uri"]):
         finish_run(client_for(run["uri"]), run["run_id"])
     return summary
+
+
+def run_pipelines(stage, params: RunParams, params_file: Path, work: Path) -> dict | State:
+    """The pipeline runs the stage reads (`Stage.runs`: a distillation's teachers), each a
+    subflow that reuses what it finds done, as inputs by label; a Failed state if one
+    fails with one line."""
+    inputs = {}
+    for label, (path, overrides) in (stage.runs(params, params_file) if stage.runs else {}).items():
+        state = wmt14_ende.with_options(flow_run_name=f"{stage.name}: {label}")(
+            path, overrides, str(work), return_state=True
+        )
+        if state.name in ONE_LINE:
+            return Failed(name=state.name, message=f"{label}: {state.message}")
+        inputs[label] = pipeline_record(state.result())
+    return inputs
+
+
+def pipeline_record(summary: dict) -> dict:
+    """A finished pipeline run as a stage's input: its model's folder and fingerprint, and
+    its summary as the report."""
+    return {
+        "path": str(Path(summary["model"]).parent),
+        "fingerprint": summary["model_fingerprint"],
+        "report": summary,
+    }
 
 
 def _without_credentials(override: str) -> str:
@@ -160,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     # Fail fast, before Prefect starts, with the one-line params error. The flow reads the
     # file again (a deployment starts it with the file's path, not with a tree).
     try:
-        load_run_params(args.params, args.overrides)
+        check_teachers(load_run_params(args.params, args.overrides), Path(args.params))
         server = os.environ.get("PREFECT_API_URL")
         if server:
             check_api(server)

@@ -24,9 +24,12 @@ SERVING = Path(__file__).with_name("serving.py")  # the pyfunc's code
 REQUIREMENTS = ("torch", "sentencepiece", "pyarrow", "pydantic", "pyyaml", "numpy", "mlflow")
 
 
-def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str:
+def register(
+    run: dict, model_path: Path, scores: dict, fingerprint: str, lineage: dict[str, str]
+) -> str:
     """Log the model as a pyfunc of the pipeline run and register it (once per model: a
-    cached rerun finds its version); returns the version."""
+    cached rerun finds its version), tagged with its scores and `lineage` (what it was
+    trained on: the data, a distillation's teachers); returns the version."""
     client, name = client_for(run["uri"]), run["registered_model"]
     versions = client.search_model_versions(f"name = '{name}' and run_id = '{run['run_id']}'")
     for version in versions:
@@ -52,6 +55,7 @@ def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str
         "test_chrf": test["chrf"],
         "sacrebleu_signature": test["bleu_signature"],
         "model_fingerprint": fingerprint,
+        **lineage,
     }
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))

@@ -109,6 +109,7 @@ def execute(
         r = StageRun(
             params=params,
             inputs={n: Path(record["path"]) for n, record in upstream.items()},
+            reports={n: record["report"] for n, record in upstream.items()},
             out=out,
             params_file=Path(run["params_file"]),
             tracking={**run, "stage_run_id": child},

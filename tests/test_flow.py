@@ -169,7 +169,7 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
 
 def test_outputs_are_real(first):
     result, _ = first
-    hyps = Path(result["hypotheses"]).read_text().splitlines()
+    hyps = Path(result["paths"]["hypotheses"]).read_text().splitlines()
     assert result["step"] == 40
     assert len(hyps) == 300
     model = load_model_file(result["model"])
@@ -190,7 +190,7 @@ def test_the_model_is_registered_and_served_as_an_mlflow_pyfunc(first, work, tmp
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model("models:/wmt14-ende-smoke@best")
     sources = (ROOT / "data" / "smoke" / "test.en").read_text().splitlines()[:3]
-    expected = Path(result["hypotheses"]).read_text().splitlines()[:3]
+    expected = Path(result["paths"]["hypotheses"]).read_text().splitlines()[:3]
     assert model.predict(sources) == expected  # the same model, the same beam search
 
     # README's line as written, from a folder whose `work` is this work dir (the repository
