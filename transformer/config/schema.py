@@ -235,7 +235,7 @@ class TrainConfig(Section):
     # Static batch shapes, what torch.compile without recompiling and CUDA-graph capture
     # need: every training batch padded to one of at most this many (B, S, T) shapes, length
     # bands chosen from the corpus' lengths, source and target padded apart, a band's last
-    # batch filled with padding rows (transformer/data/batching.py). It pads
+    # batch filled with padding rows (transformer/data/shape_classes.py). It pads
     # more than the length buckets (WMT-like lengths: 16 shapes, 0.87 of the padded tokens
     # real, against ~270 shapes and 0.94), so it pays only where static shapes make the step
     # faster. 0: the buckets' batches, each padded to its own longest source and target.
