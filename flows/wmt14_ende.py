@@ -33,11 +33,11 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Failed, State
 
 from flows.local_api import LocalApiError, check_api, local_api
+from tasks import stages
 from tasks.distill import check_teachers
 from tasks.publish import publish, summary_lines
 from tasks.runner import ONE_LINE, SERVER_LOST, run_stage, user_failure
 from tasks.settings import RunParams, experiment_name, load_run_params, tracking_uri
-from tasks.stages import STAGES
 from tasks.tracking import (
     check_store,
     client_for,
@@ -116,7 +116,7 @@ def run_stages(params: RunParams, key: str, params_file: Path, work: Path, refre
     run = opened.result()
     records: dict[str, dict] = {}
     try:
-        for stage in STAGES:  # the DAG, in order: tasks/stages.py
+        for stage in stages.STAGES:  # the DAG, in order
             if stage.asked is not None and not stage.asked(params):
                 continue  # no record: the stages that read it leave it out
             upstream = {name: records[name] for name in stage.inputs if name in records}

@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.registry import register
 from tasks.report import plot_training_curve
 from tasks.runner import user_failure
-from tasks.stages import BY_NAME, OWN
+from tasks.stages import OWN, named
 from tasks.tracking import client_for, log_metrics, numbers, redact, store_errors
 
 # Final scores of the averaged model with beam search: the valid split as dev/*, the test
@@ -99,7 +99,7 @@ class Showing:
         self.files: list[tuple[Path, str]] = []
         self.paths: dict[str, str] = {}
         for name, record in records.items():
-            shown, report, folder = BY_NAME[name].shown, record["report"], Path(record["path"])
+            shown, report, folder = named(name).shown, record["report"], Path(record["path"])
             if shown is None:
                 continue
             self.rows |= shown.scores(report) if shown.scores else {}

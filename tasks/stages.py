@@ -171,7 +171,11 @@ STAGES: tuple[Stage, ...] = (
           lambda r: export_formats(r.inputs["average"] / MODEL, r.params.export, r.out),
           artifacts=("ctranslate2", "huggingface")),
 )  # fmt: skip
-BY_NAME = {stage.name: stage for stage in STAGES}
+
+
+def named(name: str) -> Stage:
+    """The row of that name, looked up in the table as it is now."""
+    return next(stage for stage in STAGES if stage.name == name)
 
 
 def stage_key(stage: Stage, params: RunParams, inputs: dict[str, str]) -> str:

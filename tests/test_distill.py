@@ -30,7 +30,7 @@ from transformer.decoding.distill import distill_corpus
 from transformer.decoding.translate import load_ensemble, translate_lines
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(1800)]
 
 
 # --------------------------------------------------------------------------- the library
@@ -243,8 +243,10 @@ def test_a_kill_inside_distill_and_its_rerun_make_the_same_corpus(flows, params,
     cmd = [sys.executable, "-m", "flows.wmt14_ende", str(params["student"]), "--work-dir",
            str(copy)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     part = copy / "distill" / done.name / "parts" / "00000.parquet"
     wait_for(part.is_file, 600, proc, "the first distilled part")
     os.killpg(proc.pid, signal.SIGKILL)
