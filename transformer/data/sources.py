@@ -1,4 +1,4 @@
-"""Stage "download": a source's train/valid/test splits as parquet files of `src`, `tgt`.
+"""Stage "prepare": a source's train/valid/test splits as parquet files of `src`, `tgt`.
 
 A source is either the Hugging Face hub dataset of the paper's data (`wmt/wmt14`, config
 `de-en`, at a pinned revision) or a local folder: plain-text parallel files `{split}.{lang}`
