@@ -161,8 +161,8 @@ def beam_search(
 def _static_by_default(device: torch.device) -> bool:
     """The search `beam_search` runs unless told, chosen here alone: static on CUDA, where
     the shrinking search's GPU waits on its host (209 ops and a sync a step) and a CUDA
-    graph replays a static step in one launch: 2.6-2.9x the sentences/s (base, 2000
-    WMT-like sentences, H200: 1391-1418 against 477-547). Shrinking on a CPU, where the
+    graph replays a static step in one launch: several times the sentences/s
+    (benchmarks/results/2026-11-27-h200-static-search/NOTES.md). Shrinking on a CPU, where the
     host's ops cost little beside the arithmetic, which shrinks as sentences leave and as
     KVCache drops the slots no hypothesis sees (the static step attends over all written
     ones): `python -m benchmarks.decode --threads 1 --modes beam,beam-static` compares them."""

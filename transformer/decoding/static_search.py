@@ -21,9 +21,9 @@ from transformer.decoding.beams import (
 
 # The static search asks the host whether all sentences are done once per this many steps
 # on CUDA: each check is a sync, after which the GPU idles until the host launches again,
-# and the steps run past a batch's last done sentence are wasted (base, H200: every 8
-# steps ran 633 steps where 562 were needed, 11% wasted). On a CPU the read is free, and
-# a wasted step is not: every step.
+# and the steps run past a batch's last done sentence are wasted (every 8 steps wasted
+# too many: benchmarks/results/2026-11-27-h200-static-search/NOTES.md). On a CPU the read
+# is free, and a wasted step is not: every step.
 CHECK_EVERY = 4
 CPU_CHECK_EVERY = 1
 
@@ -135,8 +135,8 @@ class _Replays:
     a step instead of a host issuing every op. Step 0 (its own shapes) and step 1 (the
     warm-up torch.cuda.graphs asks for before a capture: lazy initialisations, workspaces)
     run eagerly; then the step is captured (which runs nothing) and replayed. One graph of
-    all slots: a graph per window of slots (attending over fewer) captured ~4 a batch and
-    was 4% slower (base, H200: each capture costs an eager step's host time)."""
+    all slots: a graph per window of slots (attending over fewer) was slower, each capture
+    costing an eager step's host time (benchmarks/results/2026-11-27-h200-static-search/)."""
 
     def __init__(self, search: StaticSearch):
         self.search, self.steps = search, 0
