@@ -1,6 +1,7 @@
 """The `wmt14-ende` flow: the rows of the stage table (tasks/stages.py) that the params ask
-for, in order, prepare -> clean -> vocab -> shards -> train -> (cooldowns) -> average ->
-decode -> (export), every stage tracked in MLflow, then the results published.
+for, in order, prepare -> clean -> (teachers -> distill) -> vocab -> shards -> train ->
+(cooldowns) -> average -> decode -> (export), every stage tracked in MLflow, then the
+results published. A distillation's teachers are runs of this flow too, as subflows.
 
     python -m flows.wmt14_ende params/smoke.yaml [dotted.key=value ...] [--work-dir DIR]
 
