@@ -9,6 +9,7 @@ tagged with its scores; the alias `best` follows the version of highest validati
 from __future__ import annotations
 
 import importlib.metadata
+import warnings
 from pathlib import Path
 
 import mlflow
@@ -33,7 +34,10 @@ def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str
         if version.tags.get("model_fingerprint") == fingerprint:
             return version.version
     mlflow.set_tracking_uri(run["uri"])
-    with mlflow.start_run(run_id=run["run_id"]):
+    with mlflow.start_run(run_id=run["run_id"]), warnings.catch_warnings():
+        # MLflow's advice on logging (type hints on predict, an input example) is for models
+        # whose signature it infers: this one's is given, a list of sentences.
+        warnings.filterwarnings("ignore", category=UserWarning, module="mlflow")
         info = mlflow.pyfunc.log_model(
             name="translator",
             python_model=str(SERVING),
