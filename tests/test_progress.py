@@ -13,7 +13,7 @@ import torch
 
 from transformer import console
 from transformer.config import load_params
-from transformer.data.batching import ShardDataset
+from transformer.data.dataset import ShardDataset
 from transformer.data.vocab import load_spm
 from transformer.decoding import translate
 from transformer.decoding.translate import load_translator, translate_lines

@@ -6,12 +6,14 @@ one line naming the keys; what the run will do (the corpus, the updates and epoc
 learning rate's peak, the snapshots it averages) is a few lines a person reads first.
 
     lines = preflight(params, "params/en-cs.yaml", overrides)   # PreflightError: one line
+    python -m transformer.config params/en-cs.yaml [dotted.key=value ...] --check
 """
 
 from __future__ import annotations
 
 import gzip
 import math
+import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,19 @@ def preflight(params: Params, path: str | Path, overrides: list[str] | tuple[str
     if found.errors:
         raise PreflightError("; ".join(found.errors))
     return [*found.said, *(f"warning: {w}" for w in found.warnings)]
+
+
+def main(argv: list[str]) -> int:
+    """`python -m transformer.config PARAMS [dotted.key=value ...] --check`: the lines, or
+    one line and exit code 2."""
+    path, *overrides = [arg for arg in argv if arg != "--check"]
+    try:
+        lines = preflight(load_params(path, overrides), path, overrides)
+    except (ParamsError, PreflightError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
 
 
 # --------------------------------------------------------------------------- files
