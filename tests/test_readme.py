@@ -240,10 +240,12 @@ def test_the_corpus_guide_checks_its_params_file_as_written(corpus_checkout):
     said = done.stdout
     assert f"{here}/data/en-cs (text, en-cs): train 3,000 pairs" in said
     assert "average   the best 5 of 39 scored snapshots" in said and "warning" not in said
-    # The guide's two lines that matter: without them the inherited references and
-    # averaging would fail only at the end.
+    # Without the guide's score.tokenized_refs, multi30k.yaml's German and French
+    # references would fail the decode stage after training: the check refuses them.
     text = (here / "params" / "en-cs.yaml").read_text()
-    (here / "params" / "bare.yaml").write_text(text.replace("  tokenized_refs: null", ""))
+    bare = re.sub(r"score:\n  tokenized_refs: null.*\n", "", text)
+    assert bare != text
+    (here / "params" / "bare.yaml").write_text(bare)
     bare = _run([*check[:3], "params/bare.yaml", "--check"], here, 300)
     assert bare.returncode == 2 and "score.tokenized_refs, data.tgt_lang: " in bare.stderr
 
@@ -261,6 +263,10 @@ def test_the_corpus_guide_runs_as_written_on_a_pair_the_project_does_not_ship(co
     done = _run(rehearsal, here, 1800)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "registered   models:/wmt14-ende-en-cs/1" in done.stdout
+    # no link to the private Prefect API, gone when the command ends; no library warnings
+    said = done.stdout + done.stderr
+    assert "View at" not in said and "UserWarning" not in said
+    assert "  then open http://127.0.0.1:5000/#/experiments/" in done.stdout
     work = Path(rehearsal[rehearsal.index("--work-dir") + 1])
     hyps = next(work.glob("decode/*/test.hyp")).read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 100
