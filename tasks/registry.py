@@ -34,10 +34,10 @@ def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str
         if version.tags.get("model_fingerprint") == fingerprint:
             return version.version
     mlflow.set_tracking_uri(run["uri"])
-    with mlflow.start_run(run_id=run["run_id"]), warnings.catch_warnings():
-        # MLflow's advice on logging (type hints on predict, an input example) is for models
-        # whose signature it infers: this one's is given, a list of sentences.
-        warnings.filterwarnings("ignore", category=UserWarning, module="mlflow")
+    # MLflow's advice on logging (type hints on predict, an input example: two UserWarnings)
+    # is for models whose signature it infers; this one's is given, a list of sentences.
+    # log_model resets the filters to show each warning once, so they are caught, not shown.
+    with mlflow.start_run(run_id=run["run_id"]), warnings.catch_warnings(record=True):
         info = mlflow.pyfunc.log_model(
             name="translator",
             python_model=str(SERVING),

@@ -280,6 +280,7 @@ def _serving_block() -> list[list[str]]:
     return [c for c in commands_in(section) if c[0] != "curl" and "serve" not in c]
 
 
+@pytest.mark.slow  # ~50 s beside the demo's flow (shared with tests/test_flow.py)
 def test_the_serving_commands_run_as_written_after_the_demo(fresh_flow, tmp_path):
     """README's download, translate and export lines, from a folder whose `work` is a
     finished demo's work dir and whose `data` is the repository's: they succeed, and
