@@ -23,6 +23,8 @@ from pathlib import Path
 # The temporary local API gets 20 s to start by default: too little on a busy 2-core box.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# MLflow's download bar (registering a model) would end the run's output in bar fragments.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 # The library's own log lines (pairs read, filtered, vocabulary, shards) go to the run's log.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "transformer")
 
@@ -54,6 +56,7 @@ from tasks.tracking import (
 from transformer.cli import ArgumentParser
 from transformer.config import ParamsError, params_hash, to_yaml
 from transformer.files import PARAMS, atomic_write, locked
+from transformer.training.preflight import PreflightError, preflight
 
 logging.getLogger("transformer").setLevel(logging.INFO)
 
@@ -190,16 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
     parser.add_argument("--refresh", action="store_true", help="recompute every stage")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --work-dir
-    # Fail fast, before Prefect starts, with the one-line params error. The flow reads the
-    # file again (a deployment starts it with the file's path, not with a tree).
+    # Fail fast, before Prefect starts, with the one-line params error, or what the params
+    # would fail at after hours (transformer/training/preflight.py). The flow reads the file
+    # again (a deployment starts it with the file's path, not with a tree).
     try:
-        check_teachers(load_run_params(args.params, args.overrides), Path(args.params))
+        params = load_run_params(args.params, args.overrides)
+        check_teachers(params, Path(args.params))
+        plan = preflight(params, args.params, args.overrides)
         server = os.environ.get("PREFECT_API_URL")
         if server:
             check_api(server)
-    except (ParamsError, LocalApiError) as err:
+    except (ParamsError, PreflightError, LocalApiError) as err:
         print(f"error: {redact(str(err))}".replace("\n", "; "), file=sys.stderr)
         return 2
+    print("\n".join(plan), flush=True)
     # A credential given in an override goes to the environment, not into the flow's
     # parameters (which Prefect stores and shows).
     overrides = [_without_credentials(o) for o in args.overrides]

@@ -166,17 +166,14 @@ def artifact_markdown(summary: dict, experiment_id: str | None, registered_model
     """The Prefect artifact: the scores as a table, then links to the MLflow run and model
     (on a local store, the address `mlflow ui` serves it at once started)."""
     uri = summary["tracking_uri"]
-    server = uri.startswith(("http://", "https://"))
-    ui = uri.rstrip("/") if server else LOCAL_UI
     version = summary["registered"].rsplit("/", 1)[-1]
     links = [
-        f"- MLflow run: [{summary['run_id']}]({ui}/#/experiments/{experiment_id}/runs/"
-        f"{summary['run_id']}{TRAINING_VIEW})",
-        f"- Model: [{summary['registered']}]({ui}/#/models/{registered_model}/versions/{version}"
-        f"{TRAINING_VIEW}) (alias `@best`), file `{summary['model']}`",
+        f"- MLflow run: [{summary['run_id']}]({run_url(uri, experiment_id, summary['run_id'])})",
+        f"- Model: [{summary['registered']}]({_ui(uri)}/#/models/{registered_model}/versions/"
+        f"{version}{TRAINING_VIEW}) (alias `@best`), file `{summary['model']}`",
         *[f"- {label.capitalize()}: `{path}`" for label, path in summary["paths"].items()],
     ]
-    if not server:
+    if not _is_server(uri):
         links.append(f"- The links need `mlflow ui --backend-store-uri {uri}` running first")
     notes = [*summary["notes"], ""] if summary["notes"] else []
     return "\n".join(["# Results", "", *scores_table(summary["rows"]), "", *notes, *links])
@@ -193,28 +190,36 @@ def summary_lines(summary: dict) -> list[str]:
         )
         if key in test
     ]
-    lines = [
+    uri, url = summary["tracking_uri"], summary["run_url"]
+    local = not _is_server(uri)
+    return [
         f"test BLEU {test['bleu']:.2f}  lowercased {test['bleu_lc']:.2f}  chrF {test['chrf']:.2f}"
         + (f"  ({'; '.join(extra)})" if extra else ""),
         f"  {test['bleu_signature']}",
         f"MLflow run   {summary['run_id']}",
-    ]
-    if summary["run_url"]:
-        lines.append(f"  {summary['run_url']}")
-    return [
-        *lines,
+        *([f"  {url}"] if url and not local else []),
         f"model        {summary['model']}",
         f"registered   {summary['registered']} (alias @best: the highest validation BLEU)",
         *[f"{label:<12} {path}" for label, path in summary["paths"].items()],
-        f"browse runs  mlflow ui --backend-store-uri {summary['tracking_uri']}",
+        f"browse runs  mlflow ui --backend-store-uri {uri}",
+        *([f"  then open {url}"] if url and local else []),
     ]
 
 
 def run_url(uri: str, experiment_id: str | None, run_id: str) -> str | None:
-    """A link to the run where a tracking server is known (none for a local file store)."""
-    if not uri.startswith(("http://", "https://")) or experiment_id is None:
+    """A link to the run in MLflow's training view: on the tracking server, or for a local
+    store where `mlflow ui` serves it once started."""
+    if experiment_id is None:
         return None
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
+    return f"{_ui(uri)}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
+
+
+def _ui(uri: str) -> str:
+    return uri.rstrip("/") if _is_server(uri) else LOCAL_UI
+
+
+def _is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
 
 
 def _upload(client, run_id: str, files: list[tuple[Path, str]]) -> None:

@@ -9,6 +9,7 @@ tagged with its scores; the alias `best` follows the version of highest validati
 from __future__ import annotations
 
 import importlib.metadata
+import warnings
 from pathlib import Path
 
 import mlflow
@@ -36,7 +37,10 @@ def register(
         if version.tags.get("model_fingerprint") == fingerprint:
             return version.version
     mlflow.set_tracking_uri(run["uri"])
-    with mlflow.start_run(run_id=run["run_id"]):
+    # MLflow's advice on logging (type hints on predict, an input example: two UserWarnings)
+    # is for models whose signature it infers; this one's is given, a list of sentences.
+    # log_model resets the filters to show each warning once, so they are caught, not shown.
+    with mlflow.start_run(run_id=run["run_id"]), warnings.catch_warnings(record=True):
         info = mlflow.pyfunc.log_model(
             name="translator",
             python_model=str(SERVING),

@@ -153,7 +153,7 @@ def translate_and_score(
         refs_tok = tokenized_refs(score_cfg, data, role)  # missing: fail before decoding
         table = pq.read_table(Path(cleaned) / f"{role}.parquet")
         sources, refs = table["src"].to_pylist(), table["tgt"].to_pylist()
-        hyps = translate_lines(model, sp, sources, decode_cfg, device)
+        hyps = translate_lines(model, sp, sources, decode_cfg, device, f"decoding {role}")
         (out_dir / hypotheses(role)).write_text("".join(h + "\n" for h in hyps), "utf-8")
         scores[role] = score_split(hyps, refs, score_cfg, data.tgt_lang, refs_tok)
     return scores, (sources, hyps)
