@@ -154,39 +154,33 @@ def fresh_flow(tmp_path_factory) -> Path:
     return work
 
 
-SMOKE_STEPS = [
-    "train.max_steps=200",
-    "train.save_every=100",
-    "train.valid_every=200",
-    "train.valid_bleu=false",
-    "train.log_every=100",
-    "train.keep_last=2",
-    "average.last_n=2",
-]
+@pytest.fixture(scope="session")
+def golden_run(tmp_path_factory) -> Path:
+    """The work dir of `python -m tests.golden`: the demo's first 200 updates on the shipped
+    smoke corpus (tests/golden.py), trained once in a process of its own; `curve.txt` holds
+    its curve (tests/test_golden.py), `run/` its checkpoints (smoke_model)."""
+    import subprocess
+    import sys
+
+    work = tmp_path_factory.mktemp("golden")
+    cmd = [sys.executable, "-m", "tests.golden", "--work", str(work), "--out",
+           str(work / "curve.txt")]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1800)
+    assert (work / "curve.txt").is_file(), (run.stdout + run.stderr)[-3000:]
+    return work
 
 
 @pytest.fixture(scope="session")
-def smoke_model(tmp_path_factory) -> Path:
-    """An exported model trained for 200 steps on the shipped smoke corpus (about a minute
-    on 2 cores): peaked enough that exact comparisons of decoders are meaningful."""
-    from transformer.config import load_params
-    from transformer.data.clean import clean_corpus
-    from transformer.data.sources import prepare_source
-    from transformer.train import main as train_main
+def smoke_model(golden_run, tmp_path_factory) -> Path:
+    """An exported model trained for 200 steps on the shipped smoke corpus (golden_run's
+    last two snapshots averaged): peaked enough that exact comparisons of decoders are
+    meaningful."""
+    from transformer.config import AverageConfig
     from transformer.training.average import export_average
 
-    root = Path(__file__).resolve().parents[1]
-    work = tmp_path_factory.mktemp("smoke_model")
-    params_file = root / "params" / "smoke.yaml"
-    overrides = [f"data.source.path={root / 'data' / 'smoke'}", *SMOKE_STEPS]
-    params = load_params(params_file, overrides)
-    prepare_source(params.data, work / "prepare")
-    clean_corpus(work / "prepare", params.clean, work / "clean")
-    spm_model = learn_vocab(work / "clean" / "train.parquet", params.vocab, work / "vocab")
-    encode_and_shard(work / "clean", spm_model, params.shard, work / "shards")
-    data, run = ["--data", str(work / "shards")], ["--out", str(work / "run")]
-    assert train_main([str(params_file), *overrides, *data, *run]) == 0
-    return export_average(work / "run", params.average, work / "model.pt")
+    model = tmp_path_factory.mktemp("smoke_model") / "model.pt"
+    return export_average(golden_run / "run", AverageConfig(last_n=2), model)
 
 
 def assert_same_updates(got: dict, want: dict, atol: float) -> None:

@@ -11,6 +11,7 @@ from sacrebleu.metrics import BLEU
 
 from transformer.config import ScoreConfig
 from transformer.decoding.evaluate import (
+    compound_split,
     compound_split_bleu,
     main,
     read_lines,
@@ -72,6 +73,41 @@ def test_compounds_split_as_in_get_ende_bleu():
         [[f"Das Rich {at} Text {at} Dokument ist a {at} b-c alt - sehr ."]],
     )
     assert expected.score > 0 and compound_split_bleu(hyp, ref) == pytest.approx(expected.score)
+
+
+# get_ende_bleu.sh's own scripts on five sentences of hard cases (quotes, abbreviations, a
+# number's comma and dots, "&" and '"' escaped, compounds, a sentence-final "10."): Moses'
+# tokenizer.perl -l de and multi-bleu.perl as of the paper (mosesdecoder 59bad94, May 2017),
+# the commands in docs/results/bleu.md. sacreBLEU's 13a gives 73.233144 here.
+MOSES_HYPS = [
+    "„Das ist z.B. ein Test“, sagte Dr. Müller am 3. Oktober in Berlin-Mitte.",
+    "Die E-Mail-Adresse (info@example.com) kostet 1.000,50 Euro - oder 20 % mehr?",
+    'Er kam um 10 Uhr ... und ging & lachte: "Wir sehen uns!"',
+    "Die 3-jährige Tochter spielt im Rich-Text-Format mit der Nummer 10.",
+    "Sie hat's gesagt, aber niemand glaubte es ihr.",
+]
+MOSES_REFS = [
+    "„Das ist z.B. ein Test“, sagte Dr. Müller am 3. Oktober im Berlin-Mitte.",
+    "Die E-Mail-Adresse (info@example.com) kostet 1.000,50 Euro – oder 20 % mehr.",
+    'Er kam um 10 Uhr ... und ging & lachte: "Bis bald!"',
+    "Die 3-jährige Tochter spielt mit der Nummer 10.",
+    "Sie hat's gesagt, doch keiner glaubte es ihr.",
+]
+AT = "##AT##-##AT##"
+MOSES_HYPS_SPLIT = [
+    f"„ Das ist z.B. ein Test “ , sagte Dr. Müller am 3. Oktober in Berlin {AT} Mitte .",
+    f"Die E {AT} Mail {AT} Adresse ( info @ example.com ) kostet 1.000,50 Euro - oder 20 % mehr ?",
+    "Er kam um 10 Uhr ... und ging &amp; lachte : &quot; Wir sehen uns ! &quot;",
+    f"Die 3 {AT} jährige Tochter spielt im Rich {AT} Text {AT} Format mit der Nummer 10.",
+    "Sie hat &apos; s gesagt , aber niemand glaubte es ihr .",
+]
+MOSES_BLEU = 70.999288  # multi-bleu.perl, its "%.2f" widened to "%.6f" (it prints 71.00)
+
+
+def test_paper_bleu_is_what_the_moses_scripts_give():
+    """get_ende_bleu.sh's figure exactly: its tokenization, line for line, and its BLEU."""
+    assert compound_split(MOSES_HYPS) == MOSES_HYPS_SPLIT
+    assert compound_split_bleu(MOSES_HYPS, MOSES_REFS) == pytest.approx(MOSES_BLEU, abs=1e-6)
 
 
 def test_scores_follow_the_params_and_say_what_they_are():

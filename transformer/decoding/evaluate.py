@@ -4,9 +4,10 @@
   sacreBLEU's signature), and `bleu_lc` (the same, case-insensitive): the reproducible
   standard, comparable wherever the signature matches.
 - `bleu_tok_compound` (ScoreConfig.compound_split; WMT14 EN-DE): what the paper reports
-  (tensor2tensor's get_ende_bleu.sh): tokenized hypotheses and references, compounds split
-  as "rich ##AT##-##AT## text", unsmoothed multi-bleu. Here the tokenizer is sacreBLEU's 13a,
-  not Moses' tokenizer.perl, so the figure is close to the paper's method, not identical.
+  (tensor2tensor's get_ende_bleu.sh): hypotheses and references tokenized as Moses'
+  `tokenizer.perl -l de` does (sacremoses), compounds split as "rich ##AT##-##AT## text",
+  unsmoothed `multi-bleu.perl`: the figure those scripts give, as of the paper
+  (docs/results/bleu.md: the check against them).
 - `bleu_tok_lc` (ScoreConfig.tokenized_refs; Multi30k): the scale papers on a corpus quote
   when the corpus ships its own tokenized references: hypotheses lowercased,
   punctuation-normalised and tokenized with sacremoses (Moses' scripts, maintained in
@@ -26,7 +27,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 from sacrebleu.metrics import BLEU, CHRF
-from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from transformer.cli import ArgumentParser
 from transformer.config import DataConfig, DecodeConfig, ScoreConfig
@@ -35,8 +35,9 @@ from transformer.files import SCORES, atomic_dir, file_sha256, hypotheses
 
 # get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Python's re.sub, like
 # Perl's s///g, replaces non-overlapping matches left to right, so "a-b-c" gives
-# "a ##AT##-##AT## b-c" in both: the script's quirk is kept, to stay comparable.
-_COMPOUND = re.compile(r"(\S)-(\S)")
+# "a ##AT##-##AT## b-c" in both: the script's quirk is kept, to stay comparable. That perl
+# reads bytes, so its \s is ASCII whitespace only (a no-break space is \S): re.ASCII.
+_COMPOUND = re.compile(r"(\S)-(\S)", re.ASCII)
 _UNSMOOTHED = {"tokenize": "none", "smooth_method": "none", "force": True}
 ATTENTION_SENTENCES = 2  # test sentences whose attention maps the decode stage draws
 
@@ -54,14 +55,24 @@ def score(hyps: list[str], refs: list[str], lowercase: bool = False) -> dict:
     }
 
 
+def compound_split(lines: list[str]) -> list[str]:
+    """get_ende_bleu.sh's preprocessing of German: `tokenizer.perl -l de` (its defaults:
+    escaped, no aggressive dash splits) as of the paper, then the compounds split. (Since
+    November 2018 tokenizer.perl also splits the dot off a sentence's last word that is a
+    nonbreaking prefix, "Nummer 10." to "Nummer 10 ."; sacremoses, like the paper's, not.)"""
+    from sacremoses import MosesTokenizer
+
+    tok = MosesTokenizer("de")
+    return [
+        _COMPOUND.sub(r"\1 ##AT##-##AT## \2", tok.tokenize(line, return_str=True, escape=True))
+        for line in lines
+    ]
+
+
 def compound_split_bleu(hyps: list[str], refs: list[str]) -> float:
-    """get_ende_bleu.sh's preprocessing (13a standing in for Moses), then multi-bleu."""
-    tok = Tokenizer13a()
-
-    def split(lines: list[str]) -> list[str]:
-        return [_COMPOUND.sub(r"\1 ##AT##-##AT## \2", tok(line)) for line in lines]
-
-    return BLEU(**_UNSMOOTHED).corpus_score(split(hyps), [split(refs)]).score
+    """get_ende_bleu.sh: both sides through `compound_split`, then multi-bleu.perl's
+    unsmoothed BLEU (sacreBLEU's, on the whitespace-split tokens)."""
+    return BLEU(**_UNSMOOTHED).corpus_score(compound_split(hyps), [compound_split(refs)]).score
 
 
 def tokenized_lc_bleu(hyps: list[str], tok_refs: list[str], lang: str) -> float:
