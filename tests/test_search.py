@@ -457,7 +457,7 @@ def test_decode_benchmark_runs_and_outputs_end_with_their_sources():
     ]
     argv += ["--device", "cpu", "--repeat", "1", "--ops"]
     out = subprocess.run(
-        [sys.executable, root / "benchmarks/decode.py", *argv],
+        [sys.executable, "-m", "benchmarks.decode", *argv],
         capture_output=True,
         text=True,
         cwd=root,

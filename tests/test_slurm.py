@@ -241,7 +241,8 @@ def test_the_guide_runs_what_the_tests_run():
     deploy, run = guide_commands()
     assert deploy[:3] == ["prefect", "deployment", "run"] and deploy[4] == "-p"
     deployments = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
-    (deployment,) = [d for d in deployments if f"wmt14-ende/{d['name']}" == deploy[3]]
+    # `flows.deploy --pool gpu` registers each deployment for the pool as NAME-gpu
+    (deployment,) = [d for d in deployments if f"wmt14-ende/{d['name']}-gpu" == deploy[3]]
     name, _, value = deploy[5].partition("=")
     assert name in inspect.signature(wmt14_ende.fn).parameters
     params = load_run_params(ROOT / deployment["parameters"]["params"], json.loads(value))

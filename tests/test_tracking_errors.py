@@ -8,6 +8,7 @@ case costs one flow process and not a temporary API's start."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -152,16 +153,19 @@ print("locked", flush=True); time.sleep(600)"""
 
 def test_a_credential_in_the_tracking_uri_appears_nowhere(servers, tmp_path):
     """The run opens on a real tracking server with `user:token@` in its URI (the server
-    takes any), logs its params and params file, then its first stage fails (a data source
-    that is a file): the token is in no output, no file of the work dir, nothing the
-    MLflow server stored and nothing the Prefect server stored."""
+    takes any), logs its params and params file, then its first stage fails (a test split
+    whose German side is a line short, which preflight does not read): the token is in no
+    output, no file of the work dir, nothing the MLflow server stored and nothing the
+    Prefect server stored."""
     work = tmp_path / "work"
-    source = tmp_path / "not_a_folder"
-    source.write_text("x")
+    source = tmp_path / "short_test"
+    shutil.copytree(ROOT / "data" / "smoke", source)
+    lines = (source / "test.de").read_text(encoding="utf-8").splitlines(keepends=True)
+    (source / "test.de").write_text("".join(lines[:-1]), encoding="utf-8")
     with_token = servers["tracking"].replace("http://", f"http://user:{SECRET}@")
     code, out = run_flow(servers, work, f"pipeline.tracking_uri={with_token}",
                          f"data.source.path={source}")  # fmt: skip
-    assert "not_a_folder" in one_error(code, out)
+    assert "parallel files differ in length" in one_error(code, out)
     assert SECRET not in out
     runs = MlflowClient(servers["tracking"]).search_runs(
         [MlflowClient(servers["tracking"]).get_experiment_by_name("wmt14-ende").experiment_id]
