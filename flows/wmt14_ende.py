@@ -33,8 +33,9 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Failed
 
 from flows.local_api import LocalApiError, check_api, local_api
+from flows.stop import STOP
 from tasks.publish import publish, summary_lines
-from tasks.runner import ONE_LINE, SERVER_LOST, run_stage, user_failure
+from tasks.runner import ONE_LINE, SERVER_LOST, release_reading, run_stage, user_failure
 from tasks.settings import RunParams, experiment_name, load_run_params, tracking_uri
 from tasks.stages import STAGES
 from tasks.tracking import (
@@ -93,6 +94,7 @@ def wmt14_ende(
 ):
     """The whole pipeline for one params file. `refresh` recomputes every stage (scheduled
     retraining); otherwise finished stages are reused, and a killed training resumes."""
+    STOP.take_over()  # the command line's stop, not Prefect's: flows/stop.py
     redact_logs()
     try:
         # Read and validated here, once: every task gets the tree, none reads the file.
@@ -115,6 +117,7 @@ def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool
     records: dict[str, dict] = {}
     try:
         for stage in STAGES:  # the DAG, in order: tasks/stages.py
+            STOP.raise_if_stopped()
             if stage.asked is not None and not stage.asked(params):
                 continue  # no record: the stages that read it leave it out
             upstream = {name: records[name] for name in stage.inputs if name in records}
@@ -125,6 +128,7 @@ def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool
                 mark_failed(run)
                 return Failed(name=state.name, message=state.message)
             records[stage.name] = state.result()
+        STOP.raise_if_stopped()
         published = publish(run, records, return_state=True)
         if published.name in ONE_LINE:
             mark_failed(run)
@@ -133,6 +137,8 @@ def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool
     except BaseException:
         mark_failed(run)
         raise
+    finally:
+        release_reading(run)  # what it read may change now: tasks/runner.py
     with store_errors(run["uri"]):
         finish_run(client_for(run["uri"]), run["run_id"])
     return summary
@@ -149,6 +155,17 @@ def waiting(lock: Path) -> Callable[[], None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with STOP.handling():  # first: a stop at any moment from here on is one line
+        try:
+            return _main(argv)
+        except (TerminationSignal, KeyboardInterrupt) as err:
+            signum = STOP.signum or getattr(err, "signal", signal.SIGINT)
+            print(f"error: stopped by {signal.Signals(signum).name}; training saved what it "
+                  "had: rerun the same command to resume", file=sys.stderr)  # fmt: skip
+            return 128 + signum
+
+
+def _main(argv: list[str] | None) -> int:
     parser = ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -178,11 +195,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: Prefect's local API did not start: {err} (or set PREFECT_API_URL to "
               "a running server)", file=sys.stderr)  # fmt: skip
         return 1
-    except (TerminationSignal, KeyboardInterrupt) as err:
-        signum = signal.SIGTERM if isinstance(err, TerminationSignal) else signal.SIGINT
-        print(f"error: stopped by {signum.name}; training saved what it had: rerun the same "
-              "command to resume", file=sys.stderr)  # fmt: skip
-        return 128 + signum
     if state.name in ONE_LINE:
         print(f"error: {state.message}", file=sys.stderr)
         return 1 if state.name == SERVER_LOST else 2
