@@ -26,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from transformer.cli import UserError
 from transformer.config import ModelConfig, Params, to_dict
-from transformer.data.batching import Batch, BatchLoader, ShardDataset, TokenBatchSampler
+from transformer.data.dataset import Batch, ShardDataset
+from transformer.data.loader import BatchLoader
+from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shard import verify_shards
 from transformer.data.vocab import load_spm
 from transformer.model_file import load_typed
