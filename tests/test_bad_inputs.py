@@ -144,12 +144,19 @@ def _bad_yaml(root: Path) -> dict[str, Path]:
         "deploy_list": (good % "[cron, '0 2 * * *']").encode(),
         "deploy_scalar": good.replace("[%s]", "'0 2 * * *'").encode(),
         "deploy_unknown": (good % "{cron: '0 2 * * *', timezon: UTC}").encode(),
+        "yaml_list_key": b"data: {source: {path: x}, src_lang: en, tgt_lang: de}\n? [a, b]\n: 1\n",
+        "yaml_mapping_key": b"data: {source: {path: x}, src_lang: en, tgt_lang: de}\n? {a: 1}\n: 1\n",
+        "yaml_shadow": b"extends: shadow\n",
     }  # fmt: skip
+    _write(root / "shadow", SHADOW)  # a file named by mistake, with a secret in it
     out = {name: _write(root / f"{name}.yaml", data) for name, data in files.items()}
     for i in range(10):  # chain0 -> chain1 -> ... -> chain9, 10 files deep
         _write(root / f"chain{i}.yaml", f"extends: chain{i + 1}.yaml\n".encode())
     _write(root / "chain10.yaml", b"data: {source: {path: x}, src_lang: en, tgt_lang: de}\n")
     return out | {"yaml_chain": root / "chain0.yaml", "fifo": root / "fifo"}
+
+
+SHADOW = b"root:$6$s4lt$S3CR3Tha5h:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n"
 
 
 def _bad_models(model: Path, run: Path, root: Path) -> dict[str, Path]:
@@ -167,7 +174,9 @@ def _bad_models(model: Path, run: Path, root: Path) -> dict[str, Path]:
         "model_missing_tensor": {"model": {k: v for k, v in weights.items() if k != first}},
         "model_odd_shape": {"model": weights | {first: weights[first][:-1]}},
         "model_not_tensor": {"model": weights | {first: "weights"}},
-    }
+        "model_inf_params": {"params": {**mf.params,
+                                        "decode": {**mf.params["decode"], "max_len_a": float("inf")}}},
+    }  # fmt: skip
     out = {name: save_model_file(root / f"{name}.pt", dataclasses.replace(mf, **change))
            for name, change in variants.items()}  # fmt: skip
     snapshot = load_file(next((run / "checkpoints").glob("model-*.pt")))
@@ -341,6 +350,24 @@ IN_PROCESS = [
     ("translate: a flipped byte in the model", translate.main, ["--model", "{flipped_model}", "--input", "{text}"], "flipped_model.pt: content differs from its sha256"),
     ("export: a flipped byte in the model", export.main, ["{flipped_model}", "--format", "ctranslate2", "--out", "{root}/x"], "flipped_model.pt: content differs from its sha256"),
     ("train: every state flipped", train.main, ["{params}", "--data", "{shards}", "--out", "{flipped_states}"], "{flipped_state}: unreadable, as the 1 training state(s) before it"),
+    # #57: values checked where they are read; keys that are no keys; no file's text echoed.
+    ("config: decode.max_len_a=.inf", config.main, ["{params}", "decode.max_len_a=.inf"], "decode.max_len_a: Input should be a finite number"),
+    ("config: train.lr_scale=.inf", config.main, ["{params}", "train.lr_scale=.inf"], "train.lr_scale: Input should be a finite number"),
+    ("config: train.lr_scale=.nan", config.main, ["{params}", "train.lr_scale=.nan"], "train.lr_scale: Input should be a finite number"),
+    ("config: model.dropout=-.inf", config.main, ["{params}", "model.dropout=-.inf"], "model.dropout: Input should be a finite number"),
+    ("config: lr_scale past 100", config.main, ["{params}", "train.lr_scale=1.0e+9"], "train.lr_scale: Input should be less than or equal to 100"),
+    ("config: max_len_b past 4096", config.main, ["{params}", "decode.max_len_b=1000000000"], "decode.max_len_b: Input should be less than or equal to 4096"),
+    ("config: a key that is a list", config.main, ["{yaml_list_key}"], "yaml_list_key.yaml: line 2, column 3: malformed YAML: a key that is a list"),
+    ("config: a key that is a mapping", config.main, ["{yaml_mapping_key}"], "yaml_mapping_key.yaml: line 2, column 3: malformed YAML: a key that is a dict"),
+    ("config: extends a file of other text", config.main, ["{yaml_shadow}"], "yaml_shadow.yaml: 2 unknown key(s) that are no names (not shown"),
+    ("config: a NUL in an override key", config.main, ["{params}", "model.d\0model=3"], "override 'model.d\\x00model=3' is not of the form"),
+    ("config: a newline in an override key", config.main, ["{params}", "model.d\nmodel=3"], "override 'model.d\\nmodel=3' is not of the form"),
+    ("translate: a model whose params hold .inf", translate.main, ["--model", "{model_inf_params}", "--input", "{text}"], "model_inf_params.pt: invalid params: decode.max_len_a: Input should be a finite number"),
+    ("flow: sbatch --wra= (--wrap)", flow.main, [str(SMOKE), "pipeline.slurm.sbatch_options=['--wra=id']", "--work-dir", "{root}/work"], "sbatch_options: '--wra=id' sets --wrap, which is set by the launcher"),
+    ("flow: sbatch -t5 (--time)", flow.main, [str(SMOKE), "pipeline.slurm.sbatch_options=[-t5]", "--work-dir", "{root}/work"], "sbatch_options: '-t5' sets -t, which is set by pipeline.slurm.time_limit_minutes"),
+    ("flow: sbatch -vN2 (--nodes)", flow.main, [str(SMOKE), "pipeline.slurm.sbatch_options=[-vN2]", "--work-dir", "{root}/work"], "sbatch_options: '-vN2' sets -N, which is set by pipeline.nnodes"),
+    ("flow: sbatch --", flow.main, [str(SMOKE), "pipeline.slurm.sbatch_options=['--']", "--work-dir", "{root}/work"], "sbatch_options: '--' is not one sbatch option"),
+    ("flow: train_timeout_minutes=.inf", flow.main, [str(SMOKE), "pipeline.train_timeout_minutes=.inf", "--work-dir", "{root}/work"], "pipeline.train_timeout_minutes: Input should be a finite number"),
     ("train: a shard flipped, its times restored", train.main, ["{params}", "--data", "{shards_restored}", "--out", "{root}/r7"], "{restored_shard}: sha256 differs"),
 ]  # fmt: skip
 
@@ -424,6 +451,14 @@ def test_commands_as_processes(name, cmd, culprit, env):
     for stage in (work / s.name for s in STAGES if (work / s.name).is_dir()):
         for entry in stage.iterdir():  # only finished folders, and the locks beside them
             assert entry.suffix == ".lock" or (entry / "stage.json").is_file(), entry
+
+
+def test_no_error_quotes_a_files_content(env, capsys):
+    """`extends:` naming a file that is no params file (here a shadow password file): the
+    error says so and counts its lines, and quotes none of them."""
+    assert config.main([str(env["yaml_shadow"])]) == 2
+    err = capsys.readouterr().err
+    assert "S3CR3T" not in err and "19000" not in err and "daemon" not in err, err
 
 
 def test_there_are_forty_and_more():
