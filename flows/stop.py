@@ -35,15 +35,19 @@ class Stop:
         self.signum: int | None = None  # the first signal
         self.unwinding = False  # its exception is on its way up
         self.installed = False
+        self._ignored: set[int] = set()
 
     @contextlib.contextmanager
     def handling(self) -> Iterator[None]:
         """The handlers, for the block (the command line's main thread); what was there
-        before comes back after it (a test that runs the command in its own process)."""
+        before comes back after it (a test that runs the command in its own process). A
+        signal the process was started ignoring stays ignored (SIGINT, in a script's
+        `flow &`: the trainer takes its own, and the flow then stops with it)."""
         previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
         self._next_hook = sys.unraisablehook
         self.signum, self.unwinding, self.installed = None, False, True
-        for sig in SIGNALS:
+        self._ignored = {sig for sig, handler in previous.items() if handler == signal.SIG_IGN}
+        for sig in set(SIGNALS) - self._ignored:
             signal.signal(sig, self._handle)
         sys.unraisablehook = self._unraisable
         try:
@@ -57,7 +61,7 @@ class Stop:
     def take_over(self) -> None:
         """Inside the flow's run, where Prefect has put its SIGTERM handler in place of this
         one (it puts this one back when the run ends): this one again, if installed."""
-        if self.installed:
+        if self.installed and signal.SIGTERM not in self._ignored:
             signal.signal(signal.SIGTERM, self._handle)
 
     def raise_if_stopped(self) -> None:
