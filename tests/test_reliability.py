@@ -457,3 +457,37 @@ def test_a_full_disk_names_the_folder_it_could_not_write(tmp_path):
     errors = _error_lines(out)
     assert len(errors) == 1 and "No space left on device" in errors[0], out[-3000:]
     assert str(disk / "work") + "/" in errors[0], errors
+
+
+def test_a_stage_record_is_verified_to_the_byte_and_an_old_one_is_upgraded(tmp_path):
+    """A record of format 1 (sizes only) is trusted by its sizes and upgraded in place to
+    checksums; from then on a flipped byte, a file added or gone, or a record edited is a
+    RecordError naming the file, never a reuse."""
+    from tasks.runner import SIZES_ONLY, RecordError, read_record, write_record
+
+    stage = next(s for s in STAGES if s.name == "average")
+    out = tmp_path / "average" / "k"
+    out.mkdir(parents=True)
+    (out / "model.pt").write_bytes(b"weights" * 100)
+    write_record(stage, "k", {}, {}, out)
+    fresh = json.loads((out / "stage.json").read_text())
+    old = {**fresh, "format": SIZES_ONLY, "files": {"model.pt": 700}}
+    del old["sha256"]
+    (out / "stage.json").write_text(json.dumps(old))
+    assert read_record(out, stage, "k")["files"] == fresh["files"]  # upgraded, same checksums
+    assert json.loads((out / "stage.json").read_text())["format"] == fresh["format"]
+
+    _flip(out / "model.pt")
+    with pytest.raises(RecordError, match=r"k/model\.pt: sha256 differs from its stage record"):
+        read_record(out, stage, "k")
+    _flip(out / "model.pt")
+    (out / "extra.txt").write_text("x")
+    with pytest.raises(RecordError, match=r"k/extra\.txt: not in its stage record"):
+        read_record(out, stage, "k")
+    (out / "extra.txt").unlink()
+    record = json.loads((out / "stage.json").read_text())
+    (out / "stage.json").write_text(json.dumps({**record, "files": {}}))
+    with pytest.raises(RecordError, match=r"k/stage\.json: records another stage or folder, or"):
+        read_record(out, stage, "k")
+    (out / "stage.json").write_text(json.dumps(record))
+    assert read_record(out, stage, "k")["key"] == "k"
