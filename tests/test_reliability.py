@@ -422,7 +422,7 @@ def test_sigterm_during_decode_stops_the_flow_in_one_line(fresh_flow, tmp_path):
     assert hyps(work) == hyps(fresh_flow)
     decodes = [c for c in children(work, parent_runs(work)[0].info.run_id)
                if c.data.tags["stage"] == "decode"]  # fmt: skip
-    assert sorted(c.info.status for c in decodes) == ["FINISHED", "FINISHED", "KILLED"]
+    assert sorted(c.info.status for c in decodes) == ["FINISHED", "KILLED"]  # stopped, rerun
 
 
 @pytest.mark.slow
