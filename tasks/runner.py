@@ -31,7 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed, State
 
 from tasks.settings import RunParams
-from tasks.stages import BY_NAME, Stage, StageRun, stage_key
+from tasks.stages import Stage, StageRun, named, stage_key
 from tasks.tracking import TrackingLost, log_metrics, numbers, redact, stage_run, store_errors
 from transformer.cli import USER_ERRORS, UserError, one_line
 from transformer.config import fingerprint
@@ -87,7 +87,7 @@ def run_stage(name: str, params: RunParams, run: dict, upstream: dict[str, dict]
     (params_file, work_dir, uri, run_id); `upstream`: the records of the stages this one
     reads (less those the params do not ask for). Returns this stage's record (Cached if
     reused), or a Failed state with a one-line message for a user error."""
-    stage, log = BY_NAME[name], get_run_logger()
+    stage, log = named(name), get_run_logger()
     out = None
     try:
         inputs = {n: record["fingerprint"] for n, record in upstream.items()}
@@ -97,16 +97,16 @@ def run_stage(name: str, params: RunParams, run: dict, upstream: dict[str, dict]
             record = None if refresh else read_record(out, stage, key, log)
             if record and (stage.satisfied is None or stage.satisfied(params, record)):
                 log.info("%s: reusing %s", stage.name, out)
-                hold_for_reading(run, out)
+                hold_for_reading(out)
                 return Completed(name="Cached", message=str(out), data=record)
-            with locked(_readers(out), lambda: log.info(WAIT_READERS, out)):
+            with changing(out, log):
                 if refresh and out.exists():
                     shutil.rmtree(out)
                 # The stage runs (again): until it finishes, no record describes the folder. A
                 # training killed while it extends a finished run resumes, never trusted as done.
                 (out / STAGE_RECORD).unlink(missing_ok=True)
                 record = execute(stage, params, run, upstream, key, out)
-            hold_for_reading(run, out)
+            hold_for_reading(out)
     except Exception as err:
         return user_failure(stage.name, _located(err, out))
     log.info("%s: done in %s", stage.name, out)
@@ -140,6 +140,7 @@ def execute(
         r = StageRun(
             params=params,
             inputs={n: Path(record["path"]) for n, record in upstream.items()},
+            reports={n: record["report"] for n, record in upstream.items()},
             out=out,
             params_file=Path(run["params_file"]),
             tracking={**run, "stage_run_id": child},
@@ -276,8 +277,25 @@ def folder_lock(out: Path, log) -> Iterator[None]:
 
 
 WAIT_READERS = "other flows read %s: waiting for them to end before it changes"
-# The folders the flows of this process hold for reading, by the pipeline run's id.
-_READING: dict[str, list[IO]] = {}
+# The folders the flows of this process read, each held (shared) until the outermost of them
+# ends: a subflow's outputs (a distillation's teachers) are read by the flow that ran it.
+_READING: dict[Path, IO] = {}
+_flows = 0
+
+
+@contextmanager
+def reading() -> Iterator[None]:
+    """A flow's run: the folders its stages make or reuse stay held until the outermost
+    flow of this process ends; then they may change."""
+    global _flows
+    _flows += 1
+    try:
+        yield
+    finally:
+        _flows -= 1
+        if not _flows:
+            while _READING:
+                _READING.popitem()[1].close()
 
 
 def _readers(out: Path) -> Path:
@@ -286,13 +304,16 @@ def _readers(out: Path) -> Path:
     return out.parent / f".{out.name}.read.lock"
 
 
-def hold_for_reading(run: dict, out: Path) -> None:
-    """Hold `out` (shared) until the flow of `run` ends (release_reading)."""
-    never = lambda: None  # only a flow changing `out` holds it exclusively, under folder_lock
-    _READING.setdefault(run["run_id"], []).append(lock_file(_readers(out), never, shared=True))
+def changing(out: Path, log) -> IO:
+    """The exclusive lock of a stage about to change `out`, once no flow reads it."""
+    if out in _READING:  # waiting for itself would never end
+        raise RecordError(f"{out}: a flow of this process reads it, another would change it: "
+                          "run them one after the other")  # fmt: skip
+    return lock_file(_readers(out), lambda: log.info(WAIT_READERS, out))
 
 
-def release_reading(run: dict) -> None:
-    """The end of the flow of `run`: the folders it read may change."""
-    for held in _READING.pop(run["run_id"], []):
-        held.close()
+def hold_for_reading(out: Path) -> None:
+    """Hold `out` (shared) until the outermost flow of this process ends (`reading`)."""
+    if _flows and out not in _READING:  # outside a flow (a test's task call): nothing held
+        never = lambda: None  # only a stage changing `out` holds it exclusively, under its lock
+        _READING[out] = lock_file(_readers(out), never, shared=True)

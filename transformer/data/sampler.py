@@ -101,8 +101,9 @@ class TokenBatchSampler:
             self._bounds, self._pads = _class_bounds(counts, [b for b, _, _ in self.shapes])
         else:
             # Bucket first, then length: one sort gives every bucket's run, shortest first.
-            # The narrowest dtype (uint16 for WMT) lets numpy's stable sort use radix sort:
-            # ~10x faster.
+            # The narrowest dtype (uint16 for WMT) lets numpy's stable sort use radix sort,
+            # faster than its timsort of wider keys
+            # (benchmarks/results/2026-11-29-zen3-code-figures/NOTES.md).
             key = self.buckets * (int(self.lengths.max()) + 1) + self.lengths
             self._key = key.astype(np.min_scalar_type(key.max()))
             self._sorted = np.argsort(self._key, kind="stable")

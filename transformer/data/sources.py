@@ -1,4 +1,4 @@
-"""Stage "download": a source's train/valid/test splits as parquet files of `src`, `tgt`.
+"""Stage "prepare": a source's train/valid/test splits as parquet files of `src`, `tgt`.
 
 A source is either the Hugging Face hub dataset of the paper's data (`wmt/wmt14`, config
 `de-en`, at a pinned revision) or a local folder: plain-text parallel files `{split}.{lang}`
@@ -162,7 +162,7 @@ def write_pairs(batches: Iterable[pa.RecordBatch], path: Path) -> int:
 
 def load_hub_split(source: SourceConfig, split: str):
     """`datasets.load_dataset` at the pinned revision, retried with backoff on network errors."""
-    import datasets  # a heavy import (~1 s) that only the hub path needs
+    import datasets  # a heavy import that only the hub path needs
 
     what = (
         f"the Hugging Face dataset {source.hub!r} (config {source.config!r}, "
@@ -453,15 +453,16 @@ def _is_file(path: Path) -> bool:
 
 
 def _local_files(cfg: DataConfig) -> list[Path]:
+    return [path for role in ROLES for path in split_files(cfg, getattr(cfg.splits, role))]
+
+
+def split_files(cfg: DataConfig, split: str) -> list[Path]:
+    """The local files of one split: the source side's and the target side's text files, or
+    its one parquet/jsonl file; a DataError names the first that is missing."""
     root = _local_root(cfg.source)
-    files = []
-    for role in ROLES:
-        split = getattr(cfg.splits, role)
-        if cfg.source.format == "text":
-            files += [_text_file(root, split, cfg.src_lang), _text_file(root, split, cfg.tgt_lang)]
-        else:
-            files.append(_required(root / f"{split}.{cfg.source.format}"))
-    return files
+    if cfg.source.format == "text":
+        return [_text_file(root, split, cfg.src_lang), _text_file(root, split, cfg.tgt_lang)]
+    return [_required(root / f"{split}.{cfg.source.format}")]
 
 
 def _split_name(cfg: DataConfig, split: str) -> str:
