@@ -13,7 +13,8 @@ Three things stand in the way, and `Stop` deals with each:
 - Python runs a signal handler between any two bytecodes, those of a finalizer (`__del__`,
   a weakref callback) included, and an exception leaving a finalizer is printed
   ("Exception ignored in ...") and dropped: the flow would run on. `sys.unraisablehook`
-  sees it go, and the signal is delivered again, at the main thread's next line.
+  sees it go, and the signal is delivered again, at the main thread's next line. And one
+  that lands inside a database call waits for the call's end (see DATABASE_MODULES).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class Stop:
             self.signum = signum
         if self.unwinding:
             return
+        if _in_database(frame):  # delivered again shortly, once the call has returned
+            threading.Timer(RETRY_S, _thread.interrupt_main, (signum,)).start()
+            return
         self.unwinding = True
         raise _exception(self.signum)
 
@@ -87,6 +91,21 @@ class Stop:
             threading.Timer(0.05, _thread.interrupt_main, (signum,)).start()
             return
         self._next_hook(unraisable)
+
+
+# A stop raised inside a database call (MLflow's SQLite store) leaves the query's cursor
+# open in the frames its traceback holds, and with it SQLite's lock: marking the run failed
+# then finds the store "locked". Such a stop waits for the call to return.
+DATABASE_MODULES = ("sqlalchemy", "sqlite3", "alembic")
+RETRY_S = 0.1
+
+
+def _in_database(frame) -> bool:
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(DATABASE_MODULES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _signum(exc: BaseException) -> int:

@@ -491,3 +491,30 @@ def test_a_stage_record_is_verified_to_the_byte_and_an_old_one_is_upgraded(tmp_p
         read_record(out, stage, "k")
     (out / "stage.json").write_text(json.dumps(record))
     assert read_record(out, stage, "k")["key"] == "k"
+
+
+def test_a_stop_inside_a_database_call_waits_for_its_end(tmp_path):
+    """A SIGTERM that landed inside a query of MLflow's SQLite store left its cursor open
+    in the traceback's frames: marking the run failed then found the store locked (and
+    printed SQLAlchemy's traceback). Now the stop waits for the call to return."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'store.db'}")
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def _stop_inside(dbapi_connection, _):  # a function the query calls: SIGTERM in there
+        dbapi_connection.create_function("stop", 1, lambda x: os.kill(os.getpid(), 15) or x)
+
+    with engine.begin() as db:
+        db.exec_driver_sql("create table runs (x)")
+        db.exec_driver_sql("insert into runs values (1), (2), (3)")
+    answered = None
+    with STOP.handling(), pytest.raises(TerminationSignal):
+        with engine.connect() as db:
+            answered = db.exec_driver_sql("select stop(x) from runs").fetchall()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the flow, going on: the stop comes here
+            sum(range(1000))
+    assert answered == [(1,), (2,), (3,)]
+    with engine.begin() as db:  # what mark_failed does next: the store is not locked
+        db.exec_driver_sql("insert into runs values (4)")
