@@ -36,10 +36,11 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Failed, State
 
 from flows.local_api import LocalApiError, check_api, local_api
+from flows.stop import STOP
 from tasks import stages
 from tasks.distill import check_teachers
 from tasks.publish import publish, summary_lines
-from tasks.runner import ONE_LINE, SERVER_LOST, run_stage, user_failure
+from tasks.runner import ONE_LINE, SERVER_LOST, reading, run_stage, user_failure
 from tasks.settings import RunParams, experiment_name, load_run_params, tracking_uri
 from tasks.tracking import (
     check_store,
@@ -98,6 +99,7 @@ def wmt14_ende(
 ):
     """The whole pipeline for one params file. `refresh` recomputes every stage (scheduled
     retraining); otherwise finished stages are reused, and a killed training resumes."""
+    STOP.take_over()  # the command line's stop, not Prefect's: flows/stop.py
     redact_logs()
     try:
         # Read and validated here, once: every task gets the tree, none reads the file.
@@ -107,7 +109,7 @@ def wmt14_ende(
         work = Path(work_dir).resolve()
         # One flow per params in a work dir: a second one waits, then finds the stages done.
         lock = work / "runs" / f".{key}.lock"
-        with locked(lock, waiting(lock)):
+        with locked(lock, waiting(lock)), reading():  # what it reads held: tasks/runner.py
             return run_stages(resolved, key, Path(params), work, refresh)
     except Exception as err:
         return user_failure("wmt14-ende", err)
@@ -121,6 +123,7 @@ def run_stages(params: RunParams, key: str, params_file: Path, work: Path, refre
     records: dict[str, dict] = {}
     try:
         for stage in stages.STAGES:  # the DAG, in order
+            STOP.raise_if_stopped()
             if stage.asked is not None and not stage.asked(params):
                 continue  # no record: the stages that read it leave it out
             upstream = {name: records[name] for name in stage.inputs if name in records}
@@ -136,6 +139,7 @@ def run_stages(params: RunParams, key: str, params_file: Path, work: Path, refre
                 mark_failed(run)
                 return Failed(name=state.name, message=state.message)
             records[stage.name] = state.result()
+        STOP.raise_if_stopped()
         published = publish(run, records, return_state=True)
         if published.name in ONE_LINE:
             mark_failed(run)
@@ -185,6 +189,17 @@ def waiting(lock: Path) -> Callable[[], None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with STOP.handling():  # first: a stop at any moment from here on is one line
+        try:
+            return _main(argv)
+        except (TerminationSignal, KeyboardInterrupt) as err:
+            signum = STOP.signum or getattr(err, "signal", signal.SIGINT)
+            print(f"error: stopped by {signal.Signals(signum).name}; training saved what it "
+                  "had: rerun the same command to resume", file=sys.stderr)  # fmt: skip
+            return 128 + signum
+
+
+def _main(argv: list[str] | None) -> int:
     parser = ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -218,11 +233,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: Prefect's local API did not start: {err} (or set PREFECT_API_URL to "
               "a running server)", file=sys.stderr)  # fmt: skip
         return 1
-    except (TerminationSignal, KeyboardInterrupt) as err:
-        signum = signal.SIGTERM if isinstance(err, TerminationSignal) else signal.SIGINT
-        print(f"error: stopped by {signum.name}; training saved what it had: rerun the same "
-              "command to resume", file=sys.stderr)  # fmt: skip
-        return 128 + signum
     if state.name in ONE_LINE:
         print(f"error: {state.message}", file=sys.stderr)
         return 1 if state.name == SERVER_LOST else 2

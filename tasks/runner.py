@@ -2,14 +2,20 @@
 a finished one, else run the library function in an MLflow child run and record it.
 
 Reuse has one rule: a folder whose `stage.json` verifies (its stage, its key = the folder's
-name, every file it lists at its size) and, for a stage that can be extended, satisfies
-the params. Nothing else is trusted: not Prefect's result cache (it pickles), not a
-folder's existence. A stage holds a lock on its folder while it decides and runs, so a
-second flow on the same work dir waits for the first and then reuses its output.
+name, its own checksum, and the folder's files exactly those it lists, each of its size and
+sha256) and, for a stage that can be extended, satisfies the params. Nothing else is
+trusted: not Prefect's result cache (it pickles), not a folder's existence.
+
+Two locks per folder keep flows on one work dir apart. A stage holds the folder's lock while
+it decides and runs, so a second flow waits for the first and then reuses its output. And
+a flow that has made or reused a folder holds it for reading (shared) until the flow ends,
+since a later stage of it may read it; a stage that would change a finished folder (train
+extended, `--refresh`) takes that lock exclusively, so it waits for every such flow to end.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -17,7 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from prefect import get_run_logger, task
@@ -27,15 +33,28 @@ from prefect.states import Completed, Failed, State
 from tasks.settings import RunParams
 from tasks.stages import Stage, StageRun, named, stage_key
 from tasks.tracking import TrackingLost, log_metrics, numbers, redact, stage_run, store_errors
-from transformer.cli import USER_ERRORS, UserError
+from transformer.cli import USER_ERRORS, UserError, one_line
 from transformer.config import fingerprint
-from transformer.files import STAGE_RECORD, atomic_write, locked, remove_leftovers
+from transformer.files import (
+    STAGE_RECORD,
+    atomic_write,
+    file_sha256,
+    lock_file,
+    locked,
+    read_bounded,
+    remove_leftovers,
+)
 
-RECORD_FORMAT = "transformer-mt/stage/1"
+RECORD_FORMAT = "transformer-mt/stage/2"
+# Records written before checksums list sizes only. One is verified by its sizes, as then,
+# and upgraded: its checksums are taken and it is written again in RECORD_FORMAT. A byte
+# changed before that goes unseen, as it did then; every change after it is seen.
+SIZES_ONLY = "transformer-mt/stage/1"
 # The names of Failed states whose message is the whole story: the user's to fix (exit 2),
 # or a tracking server that stopped answering (exit 1).
 USER_ERROR, SERVER_LOST = "UserError", "TrackingServerLost"
 ONE_LINE = (USER_ERROR, SERVER_LOST)
+RECORD_BYTES = 64 << 20  # a record lists files and a report: far less than this
 
 
 class _NoEmptyTraceback(logging.Filter):
@@ -69,23 +88,27 @@ def run_stage(name: str, params: RunParams, run: dict, upstream: dict[str, dict]
     reads (less those the params do not ask for). Returns this stage's record (Cached if
     reused), or a Failed state with a one-line message for a user error."""
     stage, log = named(name), get_run_logger()
+    out = None
     try:
         inputs = {n: record["fingerprint"] for n, record in upstream.items()}
         key = stage_key(stage, params, inputs)  # reads the inputs from outside: may fail
         out = Path(run["work_dir"]) / stage.name / key
         with folder_lock(out, log):
-            record = None if refresh else read_record(out, stage, key)
+            record = None if refresh else read_record(out, stage, key, log)
             if record and (stage.satisfied is None or stage.satisfied(params, record)):
                 log.info("%s: reusing %s", stage.name, out)
+                hold_for_reading(out)
                 return Completed(name="Cached", message=str(out), data=record)
-            if refresh and out.exists():
-                shutil.rmtree(out)
-            # The stage runs (again): until it finishes, no record describes the folder. A
-            # training killed while it extends a finished run resumes, never trusted as done.
-            (out / STAGE_RECORD).unlink(missing_ok=True)
-            record = execute(stage, params, run, upstream, key, out)
+            with changing(out, log):
+                if refresh and out.exists():
+                    shutil.rmtree(out)
+                # The stage runs (again): until it finishes, no record describes the folder. A
+                # training killed while it extends a finished run resumes, never trusted as done.
+                (out / STAGE_RECORD).unlink(missing_ok=True)
+                record = execute(stage, params, run, upstream, key, out)
+            hold_for_reading(out)
     except Exception as err:
-        return user_failure(stage.name, err)
+        return user_failure(stage.name, _located(err, out))
     log.info("%s: done in %s", stage.name, out)
     return record
 
@@ -95,10 +118,18 @@ def user_failure(where: str, err: Exception) -> State:
     and keeps its traceback."""
     if not is_user_error(err):
         raise err
-    message = redact(str(err).splitlines()[0]) if str(err) else type(err).__name__
+    message = one_line(redact(str(err).strip())) if str(err).strip() else type(err).__name__
     get_run_logger().error("%s failed: %s", where, message)
     name = SERVER_LOST if isinstance(err, TrackingLost) else USER_ERROR
     return Failed(name=name, message=f"{where}: {message}")
+
+
+def _located(err: Exception, out: Path | None) -> Exception:
+    """An OSError that names no file (a write that found the disk full) names the stage's
+    folder: the disk to free is the one it is on."""
+    if isinstance(err, OSError) and err.errno and err.filename is None and out is not None:
+        return OSError(err.errno, err.strerror, str(out))
+    return err
 
 
 def execute(
@@ -143,36 +174,82 @@ def write_record(stage: Stage, key: str, upstream: dict, report: dict, out: Path
         "fingerprint": key if output is None else fingerprint(key, output),
         "inputs": {n: record["fingerprint"] for n, record in upstream.items()},
         "report": report,
-        "files": _listing(out),
-    }
-    atomic_write(out / STAGE_RECORD, json.dumps(record, indent=1))
+        "files": {name: {"bytes": size, "sha256": file_sha256(out / name)}
+                  for name, size in _listing(out).items()},
+    }  # fmt: skip
+    _save_record(out, record)
     return record
 
 
-def read_record(out: Path, stage: Stage, key: str) -> dict | None:
-    """The folder's record if it has one, verified against the folder; None if it has
-    none (never finished); RecordError naming the file if it lies."""
+def _save_record(out: Path, record: dict) -> None:
+    # Its own checksum: an edited or damaged record (a report, a file list) is no record.
+    atomic_write(out / STAGE_RECORD, json.dumps({**record, "sha256": _digest(record)}, indent=1))
+
+
+def _digest(record: dict) -> str:
+    body = {k: v for k, v in record.items() if k not in ("sha256", "path")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_record(out: Path, stage: Stage, key: str, log=None) -> dict | None:
+    """The folder's record if it has one, verified against the folder (every file read);
+    None if it has none (never finished); RecordError naming the file if it lies."""
     path = out / STAGE_RECORD
     if not path.is_file():
         return None
+    rebuild = f"delete {out} to rebuild"
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        ok = record["format"] == RECORD_FORMAT and record["stage"] == stage.name
-        ok = ok and record["key"] == key
-        files = record["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise RecordError(f"{path}: not a stage record ({err}); delete {out} to rebuild") from None
+        record = json.loads(read_bounded(path, RECORD_BYTES, "stage record", RecordError))
+        old = record["format"] == SIZES_ONLY
+        ok = record["format"] in (RECORD_FORMAT, SIZES_ONLY) and record["stage"] == stage.name
+        ok = ok and record["key"] == key and (old or record["sha256"] == _digest(record))
+        files = {name: _expected(entry, old) for name, entry in record["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise RecordError(f"{path}: not a stage record ({_short(err)}); {rebuild}") from None
     if not ok:
-        raise RecordError(f"{path}: records another stage or folder; delete {out} to rebuild")
+        raise RecordError(f"{path}: records another stage or folder, or was edited; {rebuild}")
     listing = _listing(out)
-    for name, size in files.items():
-        if listing.get(name) != size:
-            found = "missing" if name not in listing else f"{listing[name]} bytes"
-            raise RecordError(
-                f"{out / name}: {found}, its stage record says {size} bytes; "
-                f"delete {out} to rebuild"
-            )
+    for name in sorted(files.keys() | listing.keys()):
+        _check_file(out, name, files.get(name), listing.get(name), rebuild)
+    if not files:  # every stage writes something: a record of nothing was emptied
+        raise RecordError(f"{path}: lists no files; {rebuild}")
+    if old:
+        _upgrade(out, record, log)
     return {**record, "path": str(out)}  # where it is now: a work dir can be moved
+
+
+def _expected(entry, old: bool) -> tuple[int, str | None]:
+    """(bytes, sha256) a record lists for a file; format 1 listed the size alone."""
+    if old:
+        return int(entry), None
+    return int(entry["bytes"]), str(entry["sha256"])
+
+
+def _check_file(out: Path, name: str, expected, size: int | None, rebuild: str) -> None:
+    if expected is None:
+        raise RecordError(f"{out / name}: not in its stage record; {rebuild}")
+    want_size, want_sha = expected
+    if size != want_size:
+        found = "missing" if size is None else f"{size} bytes"
+        raise RecordError(
+            f"{out / name}: {found}, its stage record says {want_size} bytes; {rebuild}"
+        )
+    if want_sha is not None and file_sha256(out / name) != want_sha:
+        raise RecordError(f"{out / name}: sha256 differs from its stage record; {rebuild}")
+
+
+def _upgrade(out: Path, record: dict, log) -> None:
+    """A format 1 record, its sizes verified: checksums taken now, written as RECORD_FORMAT."""
+    files = {name: {"bytes": size, "sha256": file_sha256(out / name)}
+             for name, size in record["files"].items()}  # fmt: skip
+    record.update(format=RECORD_FORMAT, files=files)
+    _save_record(out, {k: v for k, v in record.items() if k != "sha256"})
+    if log is not None:
+        log.info("%s: a record without checksums: sizes verified, checksums taken now", out)
+
+
+def _short(err: Exception) -> str:
+    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 def _listing(out: Path) -> dict[str, int]:
@@ -197,3 +274,46 @@ def folder_lock(out: Path, log) -> Iterator[None]:
         for leftover in remove_leftovers(out):
             log.info("removed %s, left by a killed run", leftover)
         yield
+
+
+WAIT_READERS = "other flows read %s: waiting for them to end before it changes"
+# The folders the flows of this process read, each held (shared) until the outermost of them
+# ends: a subflow's outputs (a distillation's teachers) are read by the flow that ran it.
+_READING: dict[Path, IO] = {}
+_flows = 0
+
+
+@contextmanager
+def reading() -> Iterator[None]:
+    """A flow's run: the folders its stages make or reuse stay held until the outermost
+    flow of this process ends; then they may change."""
+    global _flows
+    _flows += 1
+    try:
+        yield
+    finally:
+        _flows -= 1
+        if not _flows:
+            while _READING:
+                _READING.popitem()[1].close()
+
+
+def _readers(out: Path) -> Path:
+    """The lock that flows reading `out` share (taken only under its folder_lock, so that
+    no flow changes `out` between being done with it and holding it for reading)."""
+    return out.parent / f".{out.name}.read.lock"
+
+
+def changing(out: Path, log) -> IO:
+    """The exclusive lock of a stage about to change `out`, once no flow reads it."""
+    if out in _READING:  # waiting for itself would never end
+        raise RecordError(f"{out}: a flow of this process reads it, another would change it: "
+                          "run them one after the other")  # fmt: skip
+    return lock_file(_readers(out), lambda: log.info(WAIT_READERS, out))
+
+
+def hold_for_reading(out: Path) -> None:
+    """Hold `out` (shared) until the outermost flow of this process ends (`reading`)."""
+    if _flows and out not in _READING:  # outside a flow (a test's task call): nothing held
+        never = lambda: None  # only a stage changing `out` holds it exclusively, under its lock
+        _READING[out] = lock_file(_readers(out), never, shared=True)

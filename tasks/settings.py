@@ -56,12 +56,34 @@ class SlurmConfig(Section):
                              f"time_limit_minutes ({limit} min)")  # fmt: skip
         for option in self.sbatch_options:
             name = option.split("=")[0]
-            if not option.startswith("-") or " " in name:
+            odd = name in ("-", "--") or not name.isprintable() or " " in name
+            if not option.startswith("-") or odd:
                 raise ValueError(f"sbatch_options: {option!r} is not one sbatch option "
                                  "('--name=value', a list item each)")  # fmt: skip
-            if name in SBATCH_OWN:
-                raise ValueError(f"sbatch_options: {name} is set by {SBATCH_OWN[name]}")
+            if owned := _refused(name):
+                raise ValueError(f"sbatch_options: {option!r} sets {owned}, which is set by "
+                                 f"{SBATCH_OWN[owned]}")  # fmt: skip
         return self
+
+
+# sbatch's short options that take no value: "-vt5" is -v, then -t with the value 5.
+SBATCH_FLAGS = set("HhkOQsuVvW")
+
+
+def _refused(name: str) -> str | None:
+    """The option of SBATCH_OWN that `name` gives sbatch, if any. sbatch (getopt_long)
+    takes any unambiguous prefix of a long option (`--wra` is --wrap; an ambiguous one is
+    refused here too, as sbatch would), and short options grouped, a value attached
+    (`-t5`, `-vN2`)."""
+    if name.startswith("--"):
+        owned = [own for own in SBATCH_OWN if own.startswith("--") and own.startswith(name)]
+        return name if name in SBATCH_OWN else (owned[0] if owned and len(name) > 2 else None)
+    for letter in name[1:]:
+        if f"-{letter}" in SBATCH_OWN:
+            return f"-{letter}"
+        if letter not in SBATCH_FLAGS:  # an option with a value: the rest is its value
+            return None
+    return None
 
 
 class PipelineConfig(Section):
@@ -74,7 +96,7 @@ class PipelineConfig(Section):
     launcher: Literal["local", "slurm"] = operational("local")
     nnodes: int = operational(1, ge=1)  # nodes of the Slurm job
     nproc_per_node: int | None = operational(None, ge=1)  # None: one per GPU, or 1 on CPU
-    train_timeout_minutes: float = operational(0.0, ge=0.0)  # 0: no limit
+    train_timeout_minutes: float = operational(0.0, ge=0.0, le=525_600.0)  # 0: none; <= a year
     # The MLflow Model Registry name of the averaged model; None: <experiment>-<params stem>
     registered_model: str | None = operational(None)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)

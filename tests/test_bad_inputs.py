@@ -68,7 +68,63 @@ def env(tiny_params, tiny_shards, tmp_path_factory) -> dict[str, Path]:
     files.update(_bad_yaml(root))
     files.update(_bad_models(model, run, root))
     files["long_line"] = _write(root / "long.en", b"a cat\n" + b"dog " * 300_000 + b"\n")
+    files.update(_damaged_copies(run, model, tiny_shards, root))
     return files
+
+
+def _damaged_copies(run: Path, model: Path, shards: Path, root: Path) -> dict[str, Path]:
+    """Good files with one byte changed where only a checksum can see it (#57), and texts
+    that no reader may hold whole."""
+    from transformer.data.shard import verify_shards
+
+    flipped_run = root / "flipped_run"
+    shutil.copytree(run, flipped_run)
+    snapshot = max((flipped_run / "checkpoints").glob("model-*.pt"))
+    _flip_tensor(snapshot)
+    states_run = root / "flipped_states"
+    shutil.copytree(run, states_run)
+    for state in (states_run / "checkpoints").glob("state-*.pt"):
+        _flip_tensor(state)
+    flipped_model = root / "flipped_model.pt"
+    shutil.copyfile(model, flipped_model)
+    _flip_tensor(flipped_model)
+    restored = root / "shards_restored"
+    shutil.copytree(shards, restored)
+    verify_shards(restored)  # checksummed once, then stamped
+    victim = max((restored / "train").glob("*.arrow"))
+    times = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(times.st_atime_ns, times.st_mtime_ns))  # as `touch -r` would
+    deep = root / "corpus_deep"
+    deep.mkdir()
+    pair = b'{"translation": {"en": "a dog", "de": "ein hund"}}\n'
+    for split in ("train", "valid", "test"):
+        (deep / f"{split}.jsonl").write_bytes(pair * 3)
+    (deep / "train.jsonl").write_bytes(pair + b"[" * 100_000 + b"]" * 100_000 + b"\n")
+    return {
+        "flipped_run": flipped_run, "flipped_snapshot": snapshot, "flipped_states": states_run,
+        "flipped_state": max((states_run / "checkpoints").glob("state-*.pt")),
+        "flipped_model": flipped_model, "shards_restored": restored, "restored_shard": victim,
+        "corpus_deep": deep,
+        "empty": _write(root / "empty.txt", b""),
+        "gz_cut": _write(root / "cut.en.gz", gzip.compress(b"a dog\n" * 1000)[:40]),
+        "nul_line": _write(root / "nul.en", b"a dog\n" + b"\0" * (2 << 20) + b"\n"),
+    }  # fmt: skip
+
+
+def _flip_tensor(path: Path) -> None:
+    """One byte changed in the middle of the largest tensor of a torch.save file."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        tensors = [e for e in archive.infolist() if "/data/" in e.filename]
+        entry = max(tensors, key=lambda e: e.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = (int.from_bytes(data[entry.header_offset + i : entry.header_offset + i + 2], "little") for i in (26, 28))  # fmt: skip
+    data[entry.header_offset + 30 + name_len + extra_len + entry.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 def _bad_yaml(root: Path) -> dict[str, Path]:
@@ -88,12 +144,19 @@ def _bad_yaml(root: Path) -> dict[str, Path]:
         "deploy_list": (good % "[cron, '0 2 * * *']").encode(),
         "deploy_scalar": good.replace("[%s]", "'0 2 * * *'").encode(),
         "deploy_unknown": (good % "{cron: '0 2 * * *', timezon: UTC}").encode(),
+        "yaml_list_key": b"data: {source: {path: x}, src_lang: en, tgt_lang: de}\n? [a, b]\n: 1\n",
+        "yaml_mapping_key": b"data: {source: {path: x}, src_lang: en, tgt_lang: de}\n? {a: 1}\n: 1\n",
+        "yaml_shadow": b"extends: shadow\n",
     }  # fmt: skip
+    _write(root / "shadow", SHADOW)  # a file named by mistake, with a secret in it
     out = {name: _write(root / f"{name}.yaml", data) for name, data in files.items()}
     for i in range(10):  # chain0 -> chain1 -> ... -> chain9, 10 files deep
         _write(root / f"chain{i}.yaml", f"extends: chain{i + 1}.yaml\n".encode())
     _write(root / "chain10.yaml", b"data: {source: {path: x}, src_lang: en, tgt_lang: de}\n")
     return out | {"yaml_chain": root / "chain0.yaml", "fifo": root / "fifo"}
+
+
+SHADOW = b"root:$6$s4lt$S3CR3Tha5h:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n"
 
 
 def _bad_models(model: Path, run: Path, root: Path) -> dict[str, Path]:
@@ -111,7 +174,9 @@ def _bad_models(model: Path, run: Path, root: Path) -> dict[str, Path]:
         "model_missing_tensor": {"model": {k: v for k, v in weights.items() if k != first}},
         "model_odd_shape": {"model": weights | {first: weights[first][:-1]}},
         "model_not_tensor": {"model": weights | {first: "weights"}},
-    }
+        "model_inf_params": {"params": {**mf.params,
+                                        "decode": {**mf.params["decode"], "max_len_a": float("inf")}}},
+    }  # fmt: skip
     out = {name: save_model_file(root / f"{name}.pt", dataclasses.replace(mf, **change))
            for name, change in variants.items()}  # fmt: skip
     snapshot = load_file(next((run / "checkpoints").glob("model-*.pt")))
@@ -272,6 +337,38 @@ IN_PROCESS = [
     ("flow: nodes need slurm", flow.main, [str(SMOKE), "pipeline.nnodes=2", "--work-dir", "{root}/work"], "pipeline.nnodes: 2 nodes need pipeline.launcher: slurm"),
     ("flow: override after an option", flow.main, [str(SMOKE), "--work-dir", "{root}/work", "train.max_steps=x"], "train.max_steps: Input should be"),
     ("deploy: unknown deployment", deploy.main, ["--only", "tiny"], "no deployment tiny"),
+    # #57: readers bounded, a flipped byte named wherever it is read.
+    ("evaluate: empty files", evaluate.main, ["{empty}", "{empty}"], "empty.txt: no lines to score"),
+    ("evaluate: /dev/zero as hypotheses", evaluate.main, ["/dev/zero", "{text}"], "/dev/zero: line 1: longer than 1,048,576 bytes"),
+    ("evaluate: /dev/zero as references", evaluate.main, ["{text}", "/dev/zero"], "/dev/zero: line 1: longer than 1,048,576 bytes"),
+    ("evaluate: a 1.2 MB line", evaluate.main, ["{long_line}", "{long_line}"], "long.en: line 2: longer than 1,048,576 bytes"),
+    ("evaluate: a line of 2 MB of NULs", evaluate.main, ["{text}", "{nul_line}"], "nul.en: line 2: longer than"),
+    ("evaluate: truncated gzip", evaluate.main, ["{gz_cut}", "{text}"], "cut.en.gz: truncated or corrupt gzip"),
+    ("evaluate: a folder", evaluate.main, ["{run}", "{text}"], "run'"),
+    ("average: a flipped byte in a run's snapshot", average.main, ["{flipped_run}", "--last", "2", "--out", "{root}/avg.pt"], "{flipped_snapshot}: content differs from its sha256"),
+    ("average: a flipped byte in a snapshot given", average.main, ["{flipped_snapshot}", "--out", "{root}/avg.pt"], "{flipped_snapshot}: content differs from its sha256"),
+    ("translate: a flipped byte in the model", translate.main, ["--model", "{flipped_model}", "--input", "{text}"], "flipped_model.pt: content differs from its sha256"),
+    ("export: a flipped byte in the model", export.main, ["{flipped_model}", "--format", "ctranslate2", "--out", "{root}/x"], "flipped_model.pt: content differs from its sha256"),
+    ("train: every state flipped", train.main, ["{params}", "--data", "{shards}", "--out", "{flipped_states}"], "{flipped_state}: unreadable, as the 1 training state(s) before it"),
+    # #57: values checked where they are read; keys that are no keys; no file's text echoed.
+    ("config: decode.max_len_a=.inf", config.main, ["{params}", "decode.max_len_a=.inf"], "decode.max_len_a: Input should be a finite number"),
+    ("config: train.lr_scale=.inf", config.main, ["{params}", "train.lr_scale=.inf"], "train.lr_scale: Input should be a finite number"),
+    ("config: train.lr_scale=.nan", config.main, ["{params}", "train.lr_scale=.nan"], "train.lr_scale: Input should be a finite number"),
+    ("config: model.dropout=-.inf", config.main, ["{params}", "model.dropout=-.inf"], "model.dropout: Input should be a finite number"),
+    ("config: lr_scale past 100", config.main, ["{params}", "train.lr_scale=1.0e+9"], "train.lr_scale: Input should be less than or equal to 100"),
+    ("config: max_len_b past 4096", config.main, ["{params}", "decode.max_len_b=1000000000"], "decode.max_len_b: Input should be less than or equal to 4096"),
+    ("config: a key that is a list", config.main, ["{yaml_list_key}"], "yaml_list_key.yaml: line 2, column 3: malformed YAML: a key that is a list"),
+    ("config: a key that is a mapping", config.main, ["{yaml_mapping_key}"], "yaml_mapping_key.yaml: line 2, column 3: malformed YAML: a key that is a dict"),
+    ("config: extends a file of other text", config.main, ["{yaml_shadow}"], "yaml_shadow.yaml: 2 unknown key(s) that are no names (not shown"),
+    ("config: a NUL in an override key", config.main, ["{params}", "model.d\0model=3"], "override 'model.d\\x00model=3' is not of the form"),
+    ("config: a newline in an override key", config.main, ["{params}", "model.d\nmodel=3"], "override 'model.d\\nmodel=3' is not of the form"),
+    ("translate: a model whose params hold .inf", translate.main, ["--model", "{model_inf_params}", "--input", "{text}"], "model_inf_params.pt: invalid params: decode.max_len_a: Input should be a finite number"),
+    ("flow: sbatch --wra= (--wrap)", flow.main, [str(SMOKE), "pipeline.slurm.sbatch_options=['--wra=id']", "--work-dir", "{root}/work"], "sbatch_options: '--wra=id' sets --wrap, which is set by the launcher"),
+    ("flow: sbatch -t5 (--time)", flow.main, [str(SMOKE), "pipeline.slurm.sbatch_options=[-t5]", "--work-dir", "{root}/work"], "sbatch_options: '-t5' sets -t, which is set by pipeline.slurm.time_limit_minutes"),
+    ("flow: sbatch -vN2 (--nodes)", flow.main, [str(SMOKE), "pipeline.slurm.sbatch_options=[-vN2]", "--work-dir", "{root}/work"], "sbatch_options: '-vN2' sets -N, which is set by pipeline.nnodes"),
+    ("flow: sbatch --", flow.main, [str(SMOKE), "pipeline.slurm.sbatch_options=['--']", "--work-dir", "{root}/work"], "sbatch_options: '--' is not one sbatch option"),
+    ("flow: train_timeout_minutes=.inf", flow.main, [str(SMOKE), "pipeline.train_timeout_minutes=.inf", "--work-dir", "{root}/work"], "pipeline.train_timeout_minutes: Input should be a finite number"),
+    ("train: a shard flipped, its times restored", train.main, ["{params}", "--data", "{shards_restored}", "--out", "{root}/r7"], "{restored_shard}: sha256 differs"),
 ]  # fmt: skip
 
 PROCESSES = [
@@ -290,6 +387,10 @@ PROCESSES = [
     ("flow: missing split", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_no_test}", "--work-dir", "{root}/work"], "corpus_no_test/test.de: no such file"),
     ("flow: work dir is a file", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "--work-dir", "{a_file}"], "a_file"),
     ("deploy: no such file", [sys.executable, "-m", "flows.deploy", "--file", "{root}/none.yaml"], "none.yaml"),
+    ("python -m transformer.evaluate on /dev/zero", [sys.executable, "-m", "transformer.evaluate", "{text}", "/dev/zero"], "/dev/zero: line 1: longer than"),
+    ("python -m transformer.average, a flipped snapshot", [sys.executable, "-m", "transformer.average", "{flipped_run}", "--last", "2", "--out", "{root}/a.pt"], "{flipped_snapshot}: content differs from its sha256"),
+    ("flow: a JSON line nested 100k deep", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "data.source.path={corpus_deep}", "data.source.format=jsonl", "--work-dir", "{root}/work"], "corpus_deep/train.jsonl: line 2: JSON nested more than 64 deep"),
+    ("flow: a work dir with a newline", [sys.executable, "-m", "flows.wmt14_ende", str(SMOKE), "--work-dir", "{root}/new\nline"], "work dir {root}/new\\nline: a '?' or a control character"),
 ]  # fmt: skip
 
 
@@ -329,7 +430,8 @@ def test_library_commands(name, command, args, culprit, env, capsys):  # fmt: sk
 SLOW_PROCESSES = {"flow: corrupt parquet source", "flow: a folder where a source file should be",
                   "flow: a source line of 1.2 MB", "flow: invalid UTF-8", "flow: missing split",
                   "flow: source is a file", "flow: line counts differ", "flow: truncated gzip",
-                  "flow: no training text", "flow: work dir is a file"}  # fmt: skip
+                  "flow: no training text", "flow: work dir is a file",
+                  "flow: a JSON line nested 100k deep", "flow: a work dir with a newline"}  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "cmd", "culprit"), [
@@ -349,6 +451,14 @@ def test_commands_as_processes(name, cmd, culprit, env):
     for stage in (work / s.name for s in STAGES if (work / s.name).is_dir()):
         for entry in stage.iterdir():  # only finished folders, and the locks beside them
             assert entry.suffix == ".lock" or (entry / "stage.json").is_file(), entry
+
+
+def test_no_error_quotes_a_files_content(env, capsys):
+    """`extends:` naming a file that is no params file (here a shadow password file): the
+    error says so and counts its lines, and quotes none of them."""
+    assert config.main([str(env["yaml_shadow"])]) == 2
+    err = capsys.readouterr().err
+    assert "S3CR3T" not in err and "19000" not in err and "daemon" not in err, err
 
 
 def test_there_are_forty_and_more():

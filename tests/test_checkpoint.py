@@ -174,3 +174,47 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     _draws()
     ckpt.set_rng_state(loaded)
     assert _draws() == expected
+
+
+def test_a_second_sigint_waits_for_the_save_under_way(tmp_path):
+    """An impatient second Ctrl-C stops the trainer at once, but not in the middle of a
+    save: the file the first signal asked for is written whole, then the stop comes."""
+    import signal
+
+    from transformer.training.lifecycle import StopSignal, whole_save
+
+    manager = ckpt.CheckpointManager(tmp_path, keep_last=2, keep_best=0, higher_is_better=False)
+    stop = StopSignal()
+    stop.install()
+    saved = None
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the first: stop after this update, and save
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt), whole_save():
+            os.kill(os.getpid(), signal.SIGINT)  # the second, as the save begins
+            saved = manager.save_state(7, {"step": 7, "weights": torch.randn(1000)})
+    finally:
+        stop.restore()
+    assert saved is not None and model_file.load_typed(saved, ckpt.STATE_FORMAT)["step"] == 7
+    assert not list(saved.parent.glob(".*.tmp"))  # no leftover of a write cut short
+
+
+def test_a_file_of_tensors_names_itself_when_its_content_changed(tmp_path):
+    """Every file of tensors carries the sha256 of its content: one changed byte of a
+    tensor is an error naming the file, whether the file is read or mapped."""
+    import zipfile
+
+    path = atomic_save({"format": "x", "model": {"w": torch.randn(64, 64)}, "step": 3},
+                       tmp_path / "m.pt")  # fmt: skip
+    assert model_file.load_file(path)["step"] == 3 and "sha256" not in model_file.load_file(path)
+    with zipfile.ZipFile(path) as archive:
+        entry = next(e for e in archive.infolist() if "/data/" in e.filename)
+    data = bytearray(path.read_bytes())
+    header = entry.header_offset
+    start = header + 30 + int.from_bytes(data[header + 26 : header + 28], "little")
+    start += int.from_bytes(data[header + 28 : header + 30], "little")
+    data[start + entry.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    for mmap in (False, True):
+        with pytest.raises(CheckpointError, match=r"m\.pt: content differs from its sha256"):
+            model_file.load_file(path, mmap=mmap)

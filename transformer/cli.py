@@ -19,6 +19,12 @@ class UserError(Exception):
 USER_ERRORS = (UserError, OSError)
 
 
+def one_line(message: str) -> str:
+    """`message` as one line: a character that would break it or hide in it (a newline in a
+    path, a NUL, U+2028) written as its escape, so the line names the culprit whole."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)

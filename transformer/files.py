@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from transformer.cli import UserError
 
@@ -185,19 +185,35 @@ def check_output(
 
 
 @contextmanager
-def locked(path: str | os.PathLike, waiting: Callable[[], object]) -> Iterator[None]:
+def locked(
+    path: str | os.PathLike, waiting: Callable[[], object], shared: bool = False
+) -> Iterator[None]:
     """An exclusive lock on the file `path` (made if absent) for the block, across
-    processes; if another process holds it, `waiting()` says so, then this one waits. The
-    lock goes with the open file: a process that dies, killed or not, releases it."""
+    processes (`shared`: one that other shared holders may hold too); if another process
+    holds it, `waiting()` says so, then this one waits. The lock goes with the open file: a
+    process that dies, killed or not, releases it."""
+    with lock_file(path, waiting, shared):
+        yield
+
+
+def lock_file(path: str | os.PathLike, waiting: Callable[[], object], shared: bool = False) -> IO:
+    """`locked`'s lock, held until the returned file is closed: for a lock that outlives
+    the block that takes it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    kind = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    # The open file is the lock: it is returned open. "a": never truncated under its holders.
+    f = open(path, "a")  # noqa: SIM115
+    try:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, kind | fcntl.LOCK_NB)
         except BlockingIOError:
             waiting()
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+            fcntl.flock(f, kind)
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def remove_leftovers(out_dir: str | os.PathLike) -> list[Path]:

@@ -2,10 +2,16 @@
 torch.load(weights_only=True), so that no pickled code runs when a file from elsewhere is
 opened; each says what it is (`format`). The exported model (`ModelFile`), everything
 translate needs in one file, is defined here: decoding reads it without the trainer.
+
+Each file carries the sha256 of its content (`sha256`: every tensor's bytes, dtype and
+shape, and every other value, in order), checked by every load: a flipped byte is an error
+naming the file, never a model that is silently another. Files saved before it existed
+have none, and load as they did.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -21,6 +27,7 @@ from transformer.config import Params, params_from_dict
 from transformer.files import atomic_write
 
 MODEL_FORMAT = "transformer-mt/model/1"
+DIGEST = "sha256"  # the key of a file's content checksum
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -31,8 +38,9 @@ def atomic_save(obj: dict[str, Any], path: str | os.PathLike) -> Path:
     """torch.save `obj` to `path` atomically (files.atomic_write); a failure, a full disk
     included, is a CheckpointError that says how much room is left."""
     path = Path(path)
+    body = {k: v for k, v in obj.items() if k != DIGEST}
     try:
-        return atomic_write(path, lambda f: torch.save(obj, f))
+        return atomic_write(path, lambda f: torch.save({**body, DIGEST: content_sha256(body)}, f))
     except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
         free = shutil.disk_usage(path.parent).free / 1e9
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -56,7 +64,36 @@ def load_file(
         raise CheckpointError(f"{path}: unreadable ({_reason(err)})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: not a checkpoint (top level is {type(obj).__name__})")
+    saved = obj.pop(DIGEST, None)
+    if saved is not None and saved != content_sha256(obj):
+        raise CheckpointError(f"{path}: content differs from its sha256 (a damaged file)")
     return obj
+
+
+def content_sha256(obj: Any) -> str:
+    """sha256 of a file's content as loaded: the bytes of every tensor with its dtype and
+    shape, every other value by its repr, keys and items in order."""
+    digest = hashlib.sha256()
+    _feed(digest, obj)
+    return digest.hexdigest()
+
+
+def _feed(digest, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy())
+    elif isinstance(value, dict):
+        digest.update(f"D{len(value)}".encode())
+        for key, item in value.items():
+            _feed(digest, key)
+            _feed(digest, item)
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__[0]}{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    else:  # what weights_only loads besides: numbers, strings, None, dtypes
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
 
 
 def _reason(err: Exception) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None, logger: MetricsLogger | None = None) -> 
         rank = f" (rank {env.rank})" if env.distributed else ""
         print(f"error{rank}: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # a second Ctrl-C (lifecycle.StopSignal), after any save
+        print("error: stopped at once by a second SIGINT; the newest saved state is whole: "
+              "rerun to resume from it", file=sys.stderr)  # fmt: skip
+        return 128 + signal.SIGINT
     finally:
         shutdown()
 

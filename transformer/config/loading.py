@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from transformer.cli import UserError
+from transformer.cli import UserError, one_line
 from transformer.config.identities import to_yaml
 from transformer.config.schema import FOREIGN_SECTIONS, Params
 from transformer.files import read_bounded
@@ -52,18 +52,32 @@ def params_from_dict(tree: dict[str, Any]) -> Params:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML would keep the last)."""
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last),
+    and a key that is a list or a mapping (`? [a, b]`: no params key is one)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, list | dict):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key that is a {type(key).__name__}", key_node.start_mark
+                )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                    None, None, f"duplicate key {_shown(key)}", key_node.start_mark
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# A key is shown in an error if it looks like one: a file named by mistake (`extends:
+# /etc/shadow`) parses as keys that are its lines, and no error quotes a file's content.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+
+
+def _shown(key: Any) -> str:
+    return repr(key) if isinstance(key, str) and _NAME.fullmatch(key) else "(not shown)"
 
 
 # A params or deployments file is a few kB: the bound only stops a wrong path (a dataset, a
@@ -122,8 +136,10 @@ def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
 
 def _apply_override(tree: dict[str, Any], item: str, path: Path) -> None:
     key, sep, raw = item.partition("=")
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ParamsError(f"{path}: override '{item}' is not of the form dotted.key=value")
+    if not sep or not all(_NAME.fullmatch(part) for part in key.split(".")):
+        raise ParamsError(
+            f"{path}: override '{one_line(item)}' is not of the form dotted.key=value"
+        )
     try:
         value = yaml.safe_load(raw) if raw else None
     except yaml.YAMLError:
@@ -134,15 +150,19 @@ def _apply_override(tree: dict[str, Any], item: str, path: Path) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             dotted = ".".join(parts[: i + 1])
-            raise ParamsError(f"{path}: override '{item}': {dotted} is not a section")
+            raise ParamsError(f"{path}: override '{one_line(item)}': {dotted} is not a section")
         node = child
     node[parts[-1]] = value
 
 
 def _describe(err: ValidationError, path: Path, overrides) -> str:
-    lines = []
+    lines, unnamed = [], 0
     for e in err.errors():
-        dotted = ".".join(str(p) for p in e["loc"] if not isinstance(p, int))
+        parts = [str(p) for p in e["loc"] if not isinstance(p, int)]
+        if not all(_NAME.fullmatch(part) for part in parts):
+            unnamed += 1  # a line of some file, not a key: not quoted
+            continue
+        dotted = ".".join(parts)
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "missing":
@@ -157,7 +177,10 @@ def _describe(err: ValidationError, path: Path, overrides) -> str:
         from_override = any(o.partition("=")[0] == dotted for o in overrides)
         origin = f"{path} (override)" if from_override else str(path)
         lines.append(f"{origin}: {dotted or '<top>'}: {msg}")
-    return "; ".join(lines)  # one line, as every user error
+    if unnamed:
+        lines.append(f"{path}: {unnamed} unknown key(s) that are no names (not shown: a file "
+                     "named by mistake?)")  # fmt: skip
+    return one_line("; ".join(lines))  # one line, as every user error
 
 
 def main(argv: list[str] | None = None) -> int:

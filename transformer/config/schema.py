@@ -17,9 +17,11 @@ from pydantic.fields import FieldInfo
 
 class Section(BaseModel):
     # Unknown keys are errors (a typo must never silently fall back to a default); strict
-    # types (`max_steps: true` is no 1, `"3"` no 3); a loaded tree is immutable, so the
-    # identities (identities.py) describe what actually ran.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # types (`max_steps: true` is no 1, `"3"` no 3); no float is .inf or .nan (no key means
+    # either, and each fails far from its key: an IndexError in search, a run of non-finite
+    # updates); a loaded tree is immutable, so the identities (identities.py) describe what
+    # actually ran.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def operational(default: Any, added: bool = False, **constraints: Any) -> Any:
@@ -204,7 +206,8 @@ class TrainConfig(Section):
     max_tokens: int = operational(32768, ge=1)
     max_steps: int = operational(100_000, ge=1)  # optimizer updates; raising it extends a run
     warmup_steps: int = Field(4000, gt=0)
-    lr_scale: float = Field(1.0, gt=0.0)  # multiplies d_model^-0.5 * min(...) (paper: 1)
+    # Multiplies d_model^-0.5 * min(...) (paper: 1); past 100 no Transformer trains.
+    lr_scale: float = Field(1.0, gt=0.0, le=100.0)
     # After the warmup: the paper's 1/sqrt(step) decay, or "constant" at the peak, which
     # with a cooldown is warmup-stable-decay (torchtitan's; Hagele et al. 2024): a run whose
     # length is set by its compute budget learns at the peak lr, then anneals at the end.
@@ -280,8 +283,10 @@ class AverageConfig(Section):
 class DecodeConfig(Section):
     beam_size: int = Field(4, ge=1)
     len_penalty: float = Field(0.6, ge=0.0)  # GNMT alpha: lp(Y) = ((5 + |Y|) / 6)^alpha
-    max_len_a: float = Field(1.0, ge=0.0)  # max output length = a * src_len + b
-    max_len_b: int = Field(50, ge=0)
+    # Max output length = a * src_len + b: search holds a cache of that many positions, so
+    # the bounds keep it to what a translation can need (paper: a = 1, b = 50).
+    max_len_a: float = Field(1.0, ge=0.0, le=10.0)
+    max_len_b: int = Field(50, ge=0, le=4096)
     # When a sentence's beam search ends: "exact" once no live hypothesis can beat its best
     # finished ones (tensor2tensor, the paper's code); "beam" also once beam_size hypotheses
     # have finished (fairseq, Marian, CTranslate2): faster, may miss a longer better one.

@@ -112,9 +112,11 @@ def verify_shards(out_dir: Path) -> dict:
     """Check that the manifest exists and every file it lists is whole; return it.
 
     Sizes and row counts are checked every time; sha256 (every byte read) once per folder:
-    a hidden stamp of the files' sizes and modification times records that they were
-    verified, and any file written since (the manifest included) makes the next call
-    verify again. Raises DataError naming the first bad file.
+    a hidden stamp of the files' sizes, inodes, and modification and change times records
+    that they were verified, and any file written since (the manifest included) makes the
+    next call verify again. The change time is the kernel's: a write sets it, and nothing
+    but the clock can set it back, so a byte changed with its modification time restored
+    is seen too. Raises DataError naming the first bad file.
     """
     out_dir = Path(out_dir)
     manifest = load_manifest(out_dir)
@@ -145,7 +147,7 @@ def _stamp(out_dir: Path, names: list[str]) -> dict[str, list[int]]:
             st = (out_dir / name).stat()
         except OSError:
             raise DataError(f"{out_dir / name}: missing") from None
-        stamp[name] = [st.st_size, st.st_mtime_ns]
+        stamp[name] = [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
     return stamp
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import re
 import stat
 import time
 import zlib
@@ -284,11 +285,40 @@ def _is_utf8(value: bytes) -> bool:
 
 def _jsonl_tables(path: Path) -> Iterator[pa.RecordBatch]:
     # Streams blocks of lines; the `translation` struct type is inferred from the first one.
+    _check_depth(path)
     try:
         with pa_json.open_json(path) as reader:
             yield from reader
     except pa.ArrowInvalid as err:
         raise DataError(f"{path}: not valid JSON lines: {err}") from None
+
+
+# The hub's schema nests two deep ({"translation": {"en": ...}}). Arrow's JSON reader
+# recurses once a level on the C stack: a line nested 100k deep overflows it, and the
+# process dies (SIGSEGV) with no error. Lines are checked first, in Python.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def _check_depth(path: Path) -> None:
+    """DataError naming the first line of `path` nested deeper than MAX_JSON_DEPTH."""
+    with _lines(path) as lines:
+        for number, line in enumerate(lines, 1):
+            # Few brackets cannot nest deep (the common case, counted in C); else count.
+            if line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH and _too_deep(line):
+                raise DataError(f"{path}: line {number}: JSON nested more than "
+                                f"{MAX_JSON_DEPTH} deep: no translation pair")  # fmt: skip
+
+
+def _too_deep(line: bytes) -> bool:
+    """Whether the brackets of `line`, outside its strings, nest past MAX_JSON_DEPTH."""
+    depth = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub(b"", line)):
+        depth += 1 if bracket in b"[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------- plain text

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+import zlib
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -46,6 +47,8 @@ def score(hyps: list[str], refs: list[str], lowercase: bool = False) -> dict:
     """sacreBLEU's BLEU and chrF, with their signatures."""
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    if not hyps:
+        raise ValueError("no hypotheses to score")
     bleu, chrf = BLEU(lowercase=lowercase), CHRF(lowercase=lowercase)
     return {
         "bleu": bleu.corpus_score(hyps, [refs]).score,
@@ -170,15 +173,41 @@ def translate_and_score(
     return scores, (sources, hyps)
 
 
+# A line is a sentence: one of more than a MiB is none (a file without line breaks, a
+# device such as /dev/zero), and a file to score of more than 256 MiB is no test set: both
+# refused as they are read, before they are held.
+MAX_LINE_BYTES = 1 << 20
+MAX_TEXT_BYTES = 1 << 28
+
+
 def read_lines(path: str | os.PathLike) -> list[str]:
-    """One sentence per line, split on "\\n" only (as sacreBLEU reads files); gzip allowed."""
+    """One sentence per line, split on "\\n" only (as sacreBLEU reads files); gzip allowed.
+    DataError naming the file (and the line) for anything else."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
+    lines, total = [], 0
     try:
-        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-            return [line.rstrip("\r\n") for line in f]
+        with opener(path, "rb") as f:
+            while line := f.readline(MAX_LINE_BYTES + 2):  # the bound, "\r\n" and no more
+                total += len(line)
+                body = line.rstrip(b"\r\n")
+                if len(body) > MAX_LINE_BYTES:
+                    raise DataError(f"{path}: line {len(lines) + 1}: longer than "
+                                     f"{MAX_LINE_BYTES:,} bytes: not a sentence")  # fmt: skip
+                if total > MAX_TEXT_BYTES:
+                    raise DataError(f"{path}: larger than {MAX_TEXT_BYTES:,} bytes: no test set")
+                lines.append(_text(body, path, len(lines) + 1))
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        raise DataError(f"{path}: truncated or corrupt gzip file ({err})") from None
+    return lines
+
+
+def _text(line: bytes, path: Path, number: int) -> str:
+    try:
+        return line.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start} of "
+                         f"line {number})") from None  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         hyps, refs = read_lines(args.hyp), read_lines(args.ref)
+        if not hyps:
+            raise ValueError(f"{args.hyp}: no lines to score")
         if len(hyps) != len(refs):
             raise ValueError(f"{args.hyp} has {len(hyps)} lines but {args.ref} has {len(refs)}")
         scores = score(hyps, refs, args.lowercase)

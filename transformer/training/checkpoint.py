@@ -34,6 +34,7 @@ from transformer.config import ModelConfig, TrainConfig, flatten, operational_ke
 from transformer.files import CHECKPOINTS, atomic_write
 from transformer.model_file import CheckpointError, atomic_save, load_typed
 from transformer.training.distributed import all_gather_objects
+from transformer.training.lifecycle import whole_save
 
 STATE_FORMAT = "transformer-mt/state/1"
 SNAPSHOT_FORMAT = "transformer-mt/snapshot/1"
@@ -131,10 +132,11 @@ class CheckpointManager:
 
     def snapshot(self, step: int, meta: dict[str, Any], model: dict, score: float | None) -> Path:
         """Write the model of `step` for averaging, then prune the snapshots."""
-        path = atomic_save(
-            {"format": SNAPSHOT_FORMAT, **meta, "step": step, "score": score, "model": model},
-            self.path("model", step),
-        )
+        with whole_save():
+            path = atomic_save(
+                {"format": SNAPSHOT_FORMAT, **meta, "step": step, "score": score, "model": model},
+                self.path("model", step),
+            )
         self.index = [s for s in self.index if s["step"] != step]
         self.index.append({"step": step, "score": score})
         self.index.sort(key=lambda s: s["step"])
@@ -155,10 +157,11 @@ class CheckpointManager:
         """Write the training state of `step` (with this manager's index) and keep the
         newest KEEP_STATES on the cadence, the one at `branch_point` (the cooldown's start)
         and the newest of all (a stop's, off the cadence, until a newer one is written)."""
-        path = atomic_save(
-            {"format": STATE_FORMAT, **state, "checkpoints": self.state_dict()},
-            self.path("state", step),
-        )
+        with whole_save():
+            path = atomic_save(
+                {"format": STATE_FORMAT, **state, "checkpoints": self.state_dict()},
+                self.path("state", step),
+            )
         states = list_files(self.run_dir, "state")
         on_cadence = [p for p in states if self.on_cadence(file_step(p))]
         keep = {states[-1], *on_cadence[-KEEP_STATES:]}

@@ -1,5 +1,6 @@
 """The life of a training process: one trainer per run folder, a rank that dies with its
-launcher, and stop signals that let the current update finish and be saved."""
+launcher, and stop signals that let the current update finish and be saved, and never cut
+a save short."""
 
 from __future__ import annotations
 
@@ -50,10 +51,29 @@ def die_with_parent(asked: bool) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+_saving = 0  # saves under way in this process (`whole_save`)
+_impatient = False  # a second SIGINT came during one
+
+
+@contextlib.contextmanager
+def whole_save() -> Iterator[None]:
+    """A checkpoint being written: an impatient second SIGINT (StopSignal) waits for its
+    end, so that the file the first signal asked for is saved whole, then stops at once."""
+    global _saving
+    _saving += 1
+    try:
+        yield
+    finally:
+        _saving -= 1
+    if _impatient and not _saving:
+        raise KeyboardInterrupt
+
+
 class StopSignal:
     """SIGTERM/SIGINT ask the loop to stop after the current update (and save). Another
-    SIGINT (an impatient Ctrl-C) stops at once; another SIGTERM changes nothing (a launcher
-    and the process group may both send one, and each asks for the same graceful stop)."""
+    SIGINT (an impatient Ctrl-C) stops at once, or at the end of the save under way;
+    another SIGTERM changes nothing (a launcher and the process group may both send one,
+    and each asks for the same graceful stop)."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -64,6 +84,8 @@ class StopSignal:
         return self.signum is not None
 
     def install(self) -> None:
+        global _impatient
+        _impatient = False
         with contextlib.suppress(ValueError):  # not the main thread: no handlers there
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -74,9 +96,12 @@ class StopSignal:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
+        global _impatient
         if self.signum is not None:
             if signum == signal.SIGINT:
-                raise KeyboardInterrupt
+                _impatient = True
+                if not _saving:
+                    raise KeyboardInterrupt
             return
         self.signum = signum
         log.warning("%s: stopping after this update", signal.Signals(signum).name)
