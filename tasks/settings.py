@@ -18,20 +18,17 @@ from tasks.tracking import TrackingError, credentials_to_env
 from transformer.config import Params, Section, load_params, operational
 
 # What the slurm launcher's batch script sets itself (tasks/slurm.py), or the keys above do:
-# given again in sbatch_options they would contradict it.
+# given again in sbatch_options they would contradict it (--wrap: a shell command instead).
 SBATCH_OWN = {
-    "--nodes": "pipeline.nnodes", "-N": "pipeline.nnodes",
+    "--nodes": "pipeline.nnodes",
     "--ntasks-per-node": "the launcher (one torchrun agent per node)",
-    "--ntasks": "the launcher (one torchrun agent per node)", "-n": "the launcher",
-    "--output": "the launcher (the run folder)", "-o": "the launcher (the run folder)",
-    "--error": "the launcher (the run folder)", "-e": "the launcher (the run folder)",
-    "--open-mode": "the launcher", "--chdir": "the launcher", "-D": "the launcher",
+    "--ntasks": "the launcher (one torchrun agent per node)",
+    "--output": "the launcher (the run folder)", "--error": "the launcher (the run folder)",
+    "--open-mode": "the launcher", "--chdir": "the launcher",
     "--signal": "pipeline.slurm.signal_seconds", "--parsable": "the launcher",
-    "--time": "pipeline.slurm.time_limit_minutes", "-t": "pipeline.slurm.time_limit_minutes",
-    "--partition": "pipeline.slurm.partition", "-p": "pipeline.slurm.partition",
-    "--account": "pipeline.slurm.account", "-A": "pipeline.slurm.account",
-    "--array": "the launcher (one job)", "-a": "the launcher (one job)",
-    "--wrap": "the launcher",
+    "--time": "pipeline.slurm.time_limit_minutes", "--partition": "pipeline.slurm.partition",
+    "--account": "pipeline.slurm.account", "--array": "the launcher (one job)",
+    "--wrap": "the launcher (its batch script)",
 }  # fmt: skip
 
 
@@ -56,11 +53,14 @@ class SlurmConfig(Section):
                              f"time_limit_minutes ({limit} min)")  # fmt: skip
         for option in self.sbatch_options:
             name = option.split("=")[0]
-            if not option.startswith("-") or " " in name:
-                raise ValueError(f"sbatch_options: {option!r} is not one sbatch option "
-                                 "('--name=value', a list item each)")  # fmt: skip
-            if name in SBATCH_OWN:
-                raise ValueError(f"sbatch_options: {name} is set by {SBATCH_OWN[name]}")
+            if not option.startswith("--") or " " in name or len(name) < 3:
+                raise ValueError(f"sbatch_options: {option!r} is not one sbatch option in "
+                                 "its long form ('--name=value', a list item each)")  # fmt: skip
+            # sbatch (getopt_long) takes any unambiguous start of a long name: --wra is --wrap
+            own = [key for key in SBATCH_OWN if key.startswith(name)]
+            if own:
+                said = name if name == own[0] else f"{name} ({own[0]})"
+                raise ValueError(f"sbatch_options: {said} is set by {SBATCH_OWN[own[0]]}")
         return self
 
 
