@@ -27,9 +27,10 @@ from typing import Any
 
 from prefect import serve
 from prefect.schedules import Cron, Interval, Schedule
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.wmt14_ende import wmt14_ende
+from tasks.tracking import CREDENTIAL_ADVICE, holds_credential
 from transformer.cli import ArgumentParser
 from transformer.config import read_yaml
 
@@ -38,6 +39,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class DeploymentsError(ValueError):
     """A deployments file that cannot be read or says something this serve cannot do."""
+
+
+def no_credential(parameters: dict[str, Any]) -> dict[str, Any]:
+    """Parameters that hold no credential (Prefect stores and shows them): the error names
+    the parameter, never its value."""
+    for name, value in parameters.items():
+        if any(holds_credential(s) for s in _strings(value)):
+            raise ValueError(f"{name}: {CREDENTIAL_ADVICE}")
+    return parameters
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return [s for item in items for s in _strings(item)]
 
 
 class ScheduleSpec(BaseModel):
@@ -51,6 +68,8 @@ class ScheduleSpec(BaseModel):
     timezone: str | None = None
     active: bool = True
     parameters: dict[str, Any] = {}
+
+    _parameters = field_validator("parameters")(no_credential)
 
     @model_validator(mode="after")
     def _one_kind(self) -> ScheduleSpec:
@@ -73,6 +92,8 @@ class DeploymentSpec(BaseModel):
     schedules: list[ScheduleSpec] = []
     tags: list[str] = []
     description: str | None = None
+
+    _parameters = field_validator("parameters")(no_credential)
 
 
 def declared(path: Path) -> dict[str, DeploymentSpec]:

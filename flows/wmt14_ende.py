@@ -27,22 +27,23 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "transformer")
 
 import logging
 
-from prefect import flow, task
+from prefect import flow, get_client, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
+from prefect.runtime import flow_run
 from prefect.states import Failed
 
 from flows.local_api import LocalApiError, check_api, local_api
 from tasks.publish import publish, summary_lines
 from tasks.runner import ONE_LINE, SERVER_LOST, run_stage, user_failure
-from tasks.settings import RunParams, experiment_name, load_run_params, tracking_uri
+from tasks.settings import Overrides, RunParams, experiment_name, load_run_params, tracking_uri
 from tasks.stages import STAGES
 from tasks.tracking import (
     check_store,
     client_for,
-    credentials_to_env,
     experiment_id,
     finish_run,
+    holds_credential,
     mark_failed,
     open_parent_run,
     redact,
@@ -87,13 +88,14 @@ def open_run(params: RunParams, key: str, stem: str, work_dir: str):
 @flow(name="wmt14-ende", log_prints=True, persist_result=False)
 def wmt14_ende(
     params: str = "params/smoke.yaml",
-    overrides: list[str] | None = None,
+    overrides: Overrides | None = None,
     work_dir: str = "work",
     refresh: bool = False,
 ):
     """The whole pipeline for one params file. `refresh` recomputes every stage (scheduled
     retraining); otherwise finished stages are reused, and a killed training resumes."""
     redact_logs()
+    forget_credentials(list(overrides or []))
     try:
         # Read and validated here, once: every task gets the tree, none reads the file.
         resolved = load_run_params(params, list(overrides or []))
@@ -138,9 +140,16 @@ def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool
     return summary
 
 
-def _without_credentials(override: str) -> str:
-    key, _, value = override.partition("=")
-    return f"{key}={credentials_to_env(value)}" if key == "pipeline.tracking_uri" else override
+def forget_credentials(overrides: list[str]) -> None:
+    """A run created past its deployment's parameter schema (through the API, or by calling
+    this flow from Python) may hold a credential in its overrides. The flow refuses them
+    (load_run_params) after it replaces each such override in the run's stored parameters
+    with ***, so that Prefect keeps none."""
+    if not any(holds_credential(o) for o in overrides):
+        return
+    kept = ["***" if holds_credential(o) else o for o in overrides]
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run.id, parameters={**flow_run.parameters, "overrides": kept})
 
 
 def waiting(lock: Path) -> Callable[[], None]:
@@ -167,12 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ParamsError, LocalApiError) as err:
         print(f"error: {redact(str(err))}".replace("\n", "; "), file=sys.stderr)
         return 2
-    # A credential given in an override goes to the environment, not into the flow's
-    # parameters (which Prefect stores and shows).
-    overrides = [_without_credentials(o) for o in args.overrides]
-    try:
+    try:  # (an override that holds a credential was refused above, before the run exists)
         with local_api() if not server else contextlib.nullcontext():
-            state = wmt14_ende(args.params, overrides, args.work_dir, args.refresh,
+            state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,
                                return_state=True)  # fmt: skip
     except LocalApiError as err:  # the environment, not the params: exit 1, one line
         print(f"error: Prefect's local API did not start: {err} (or set PREFECT_API_URL to "

@@ -91,3 +91,125 @@ def test_a_job_that_failed_to_launch_is_one_line_not_a_signal_it_never_got(tmp_p
     """Slurm's ExitCode 0:53 (a launch failure) reads as 181: no signal's number."""
     with pytest.raises(TrainingFailed, match=r"^Slurm job 7 failed: the trainer exited with 181"):
         slurm.raise_for_end("7", "FAILED", 181, False, [], tmp_path)
+
+
+# --- No credential in a Prefect store, a log or an error line (tasks/tracking.py) ----------
+
+SECRET = "s3cr3t-pw"
+CREDENTIALS = [  # (override, the key its error names)
+    (f"pipeline.tracking_uri=http://alice:{SECRET}/ss@host", "pipeline.tracking_uri"),
+    (f"pipeline.tracking_uri=http://alice:{SECRET}#ss@host", "pipeline.tracking_uri"),
+    (f"pipeline.tracking_uri=http://alice:{SECRET}@x@host/path", "pipeline.tracking_uri"),
+    (f"pipeline.tracking_uri=https://{SECRET}@host", "pipeline.tracking_uri"),
+    (f"pipeline.tracking_uri=postgresql://alice:{SECRET}/et@host/db", "pipeline.tracking_uri"),
+    (f"pipeline.tracking_uri=postgresql://host/db?sslmode=x&Password={SECRET}",
+     "pipeline.tracking_uri"),
+    (f"pipeline={{tracking_uri: 'http://alice:{SECRET}@host'}}", "pipeline"),
+    (f"data.source.path=https://alice:{SECRET}@host/corpus", "data.source.path"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("override, key", CREDENTIALS)
+def test_a_credential_in_an_override_is_one_line_before_prefect_starts(
+    override, key, tmp_path, capsys
+):
+    from flows import wmt14_ende as flow
+
+    assert flow.main([str(SMOKE), override, "--work-dir", str(tmp_path / "work")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {SMOKE} (override): {key}: holds a credential")
+    assert "MLFLOW_TRACKING_PASSWORD" in err and err.count("\n") == 1
+    assert SECRET not in err
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_credential_in_a_params_file_is_refused_naming_the_key(tmp_path):
+    params = tmp_path / "team.yaml"
+    params.write_text(
+        f"extends: {SMOKE}\npipeline: {{tracking_uri: 'postgresql://alice:{SECRET}@h/db'}}\n"
+    )
+    with pytest.raises(ParamsError) as err:
+        load_run_params(params)
+    assert str(err.value).startswith(f"{params}: pipeline.tracking_uri: holds a credential")
+    assert SECRET not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "uri", ["sqlite:////data/a@b/mlflow.db", "http://127.0.0.1:5000", "file:///w/x@y/mlruns"]
+)
+def test_a_store_without_a_credential_passes(uri):
+    assert load_run_params(SMOKE, [f"pipeline.tracking_uri={uri}"]).pipeline.tracking_uri == uri
+
+
+@pytest.mark.parametrize("override, key", CREDENTIALS[:3])
+def test_prefects_server_refuses_a_run_whose_override_holds_a_credential_quoting_none(
+    override, key
+):
+    """Prefect's own check, the one its server runs before it creates (and stores) a
+    deployment's run, on the flow's parameter schema."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import ValidationError, validate
+
+    from flows.wmt14_ende import wmt14_ende
+
+    schema = parameter_schema(wmt14_ende).model_dump()
+    with pytest.raises(ValidationError) as err:
+        validate({"overrides": ["train.max_steps=3", override]}, schema, raise_on_error=True)
+    assert "Too many items match the given schema (expected at most 0)" in str(err.value)
+    assert SECRET not in str(err.value)
+    validate({"overrides": ["train.max_steps=3", "pipeline.tracking_uri=sqlite:////a@b/m.db"]},
+             schema, raise_on_error=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        f"http://alice:{SECRET}/ss@host:5000",
+        f"http://alice:{SECRET} x@host:5000",
+        f"postgresql://alice:{SECRET}#/x@host/db",
+    ],
+)
+def test_the_environments_credential_is_stars_in_every_line(uri):
+    """A URI from MLFLOW_TRACKING_URI (the one place a credential may be): from then on
+    redact() stars it wherever a line quotes it, its URI or a library's message."""
+    from tasks.tracking import credentials_to_env, redact
+
+    password = uri.partition("alice:")[2].rpartition("@")[0]
+    kept = credentials_to_env(uri)
+    for line in (kept, f"could not reach {uri}: refused", f"password was {password}!"):
+        assert SECRET not in redact(line)
+
+
+def test_a_database_store_without_its_driver_is_one_line(monkeypatch):
+    from tasks.tracking import TrackingError, check_store, credentials_to_env
+
+    uri = credentials_to_env(f"postgresql://alice:{SECRET}/x@host/db")
+    with pytest.raises(TrackingError) as err:
+        check_store(uri, "wmt14-ende-smoke")
+    assert str(err.value) == (
+        "pipeline.tracking_uri postgresql://***@host/db: the database's driver is not installed "
+        "(No module named 'psycopg2'): install it, or use an MLflow tracking server"
+    )
+
+
+@pytest.mark.parametrize(
+    "parameters, where",
+    [
+        (f"{{params: p.yaml, overrides: ['pipeline.tracking_uri=http://a:{SECRET}@h']}}",
+         "parameters: overrides"),
+        ("{params: p.yaml}, schedules: [{interval: 86400, parameters: {overrides: "
+         f"['pipeline.tracking_uri=https://{SECRET}@h']}}}}]", "schedules.0.parameters: overrides"),
+        (f"{{params: p.yaml, work_dir: 'http://a:{SECRET}@h/w'}}", "parameters: work_dir"),
+    ],
+)  # fmt: skip
+def test_a_deployment_whose_parameters_hold_a_credential_is_refused(
+    parameters, where, tmp_path, capsys
+):
+    from flows import deploy
+
+    spec = tmp_path / "deployments.yaml"
+    spec.write_text(f"deployments:\n  - {{name: x, parameters: {parameters}}}\n")
+    assert deploy.main(["--file", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {spec}: deployment x: {where}: holds a credential")
+    assert SECRET not in err and err.count("\n") == 1
