@@ -1,9 +1,18 @@
-"""The registry's alias `best`, in a real MLflow store: it follows validation BLEU, never test."""
+"""The registry in a real MLflow store: the alias `best` follows validation BLEU, never test;
+the smoke flow's registered model loads from a moved work dir and carries no code."""
 
 from __future__ import annotations
 
-from mlflow import MlflowClient
+import subprocess
+from pathlib import Path
 
+import mlflow
+import pytest
+import yaml
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from tasks import registry
 from tasks.registry import BEST, promote_if_best
 
 NAME = "wmt14-ende-smoke"
@@ -39,3 +48,50 @@ def test_a_holder_without_a_validation_score_yields_to_a_version_with_one(tmp_pa
     client.set_registered_model_alias(NAME, BEST, old)
     new = _version(client, valid=1.0, test=1.0)
     assert client.get_model_version_by_alias(NAME, BEST).version == new
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "/tmp/transformer-mt-registry-ran-code"
+PLANTED = f"open({MARKER!r}, 'w').write('ran')\n"
+
+
+def test_a_moved_work_dirs_model_loads_by_its_alias_and_no_code_of_it_runs(
+    fresh_flow, tmp_path, monkeypatch
+):
+    """The smoke flow's work dir, moved: its store names the old place until it is opened
+    here (`python -m tasks.registry`), then `models:/NAME@best` loads from the new place and
+    translates. The registered artifact holds weights and metadata, no code: Python planted
+    where a model from code would keep it does not run at the load; the model translates as
+    the flow's decode stage did."""
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    subprocess.run(["cp", "-a", str(fresh_flow), str(first)], check=True)  # never in place
+    assert registry.main([str(first)]) == 0  # as a flow there would: locations at `first`
+    first.rename(moved)
+    uri = f"sqlite:///{moved / 'mlflow.db'}"
+    monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", uri)
+    with pytest.raises(MlflowException, match="No such artifact"):  # it names `first`, gone
+        mlflow.pyfunc.load_model(f"models:/{NAME}@{BEST}")
+    assert registry.main([str(moved)]) == 0
+    client = MlflowClient(uri)
+    best = client.get_model_version_by_alias(NAME, BEST).version
+    artifact = Path(client.get_model_version_download_uri(NAME, best).removeprefix("file://"))
+    assert artifact.is_relative_to(moved / "mlartifacts")
+    assert not [p for p in artifact.rglob("*") if p.suffix in (".py", ".pyc", ".pkl")]
+    flavor = yaml.safe_load((artifact / "MLmodel").read_text())["flavors"]["python_function"]
+    assert flavor["loader_module"] == "tasks.serving" and flavor.get("code") is None
+    for planted in (artifact / "serving.py", artifact / "code" / "tasks" / "serving.py"):
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        planted.write_text(PLANTED)
+    Path(MARKER).unlink(missing_ok=True)
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}@{BEST}")
+    source = (ROOT / "data" / "smoke" / "test.en").read_text().splitlines()[:3]
+    decoded = next(moved.glob("decode/*/test.hyp")).read_text().splitlines()[:3]
+    assert model.predict(source) == decoded  # as the decode stage translated them
+    assert not Path(MARKER).exists()
+
+
+def test_a_folder_with_no_store_is_one_line(tmp_path, capsys):
+    assert registry.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}/mlflow.db: no MLflow store here (a work dir's mlflow.db)\n"
+    )
