@@ -8,7 +8,11 @@ its content. The cases that start a flow or a Prefect server are the few at the 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -213,3 +217,195 @@ def test_a_deployment_whose_parameters_hold_a_credential_is_refused(
     err = capsys.readouterr().err
     assert err.startswith(f"error: {spec}: deployment x: {where}: holds a credential")
     assert SECRET not in err and err.count("\n") == 1
+
+
+# --- A deployment runs once at a time, at most hourly (flows/deploy.py) -------------------
+
+SCHEDULES = [  # (a schedule, the line's end after "schedules.0")
+    ("{interval: 1e308}", ": interval: 1e+308 s is outside 3600 (hourly) to 31622400 (yearly)"),
+    ("{interval: .inf}", ": interval: inf s is outside 3600 (hourly) to 31622400 (yearly)"),
+    ("{interval: .nan}", ".interval: Input should be greater than 0"),
+    ("{interval: 0.001}", ": interval: 0.001 s is outside 3600 (hourly) to 31622400 (yearly)"),
+    ("{interval: 3599}", ": interval: 3599 s is outside 3600 (hourly) to 31622400 (yearly)"),
+    ("{interval: -60}", ".interval: Input should be greater than 0"),
+    ("{cron: '* * * * * *'}",
+     ": cron: '* * * * * *' is not five fields (minute hour day month weekday)"),
+    ("{cron: '*/30 * * * *'}", ": cron: '*/30 * * * *' fires 1800 s apart, more often than hourly"),
+    ("{cron: '0,30 1 * * *'}", ": cron: '0,30 1 * * *' fires 1800 s apart, more often than hourly"),
+    ("{cron: '5-5 * * * *'}", ": cron: '5-5 * * * *' fires 60 s apart, more often than hourly"),
+    ("{cron: '*/5 * 29 2 *'}", ": cron: '*/5 * 29 2 *' fires 300 s apart, more often than hourly"),
+    ("{cron: '0 0 31 2 *'}", ": cron: '0 0 31 2 *' never fires"),
+]  # fmt: skip
+
+
+def _deployments(tmp_path: Path, schedules: str = "[]", params: str = "p.yaml") -> Path:
+    spec = tmp_path / "deployments.yaml"
+    spec.write_text(
+        f"deployments:\n  - {{name: x, parameters: {{params: {params}}}, schedules: {schedules}}}\n"
+    )
+    return spec
+
+
+@pytest.mark.parametrize("schedule, said", SCHEDULES)
+def test_a_schedule_out_of_range_is_one_line_before_anything_is_served(
+    schedule, said, tmp_path, capsys
+):
+    from flows import deploy
+
+    spec = _deployments(tmp_path, f"[{schedule}]")
+    assert deploy.main(["--file", str(spec)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"error: {spec}: deployment x: schedules.0{said}\n"
+    assert out == ""  # not even the API was asked
+
+
+@pytest.mark.parametrize(
+    "schedule", [{"interval": 3600}, {"cron": "0 3 * * *"}, {"cron": "@daily"},
+                 {"cron": "0 * * * *", "timezone": "Europe/Berlin"}],
+)  # fmt: skip
+def test_an_hourly_or_rarer_schedule_passes(schedule):
+    from flows.deploy import ScheduleSpec
+
+    ScheduleSpec.model_validate(schedule)
+
+
+def test_every_deployment_of_prefect_yaml_runs_one_flow_at_a_time(tmp_path):
+    """The repository's deployments, as `python -m flows.deploy` serves them: each with a
+    concurrency limit of one that cancels a colliding run (Prefect's CANCEL_NEW)."""
+    from prefect.client.schemas.objects import ConcurrencyLimitStrategy
+
+    from flows.deploy import declared, deployments
+
+    specs = declared(ROOT / "prefect.yaml")
+    served = deployments(specs, str(tmp_path), list(specs))
+    assert {d.name for d in served} == {"base", "big", "multi30k", "multi30k-enfr", "smoke"}
+    for deployment in served:
+        assert deployment.concurrency_limit == 1
+        strategy = deployment.concurrency_options.collision_strategy
+        assert strategy == ConcurrencyLimitStrategy.CANCEL_NEW
+
+
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("http://127.0.0.1:9/api", "within 0.5 s (URLError: [Errno 111] Connection refused)"),
+        ("http://alice:pw@127.0.0.1:9/api", "within 0.5 s (URLError:"),
+        ("notaurl", "(ValueError: unknown url type: 'notaurl/health')"),
+        (None, None),
+    ],
+)
+def test_an_api_that_does_not_answer_is_one_line_after_a_bounded_wait(url, why, tmp_path, capsys):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import deploy
+
+    spec = _deployments(tmp_path)
+    setting = (
+        {"updates": {PREFECT_API_URL: url}} if url else {"restore_defaults": {PREFECT_API_URL}}
+    )
+    with temporary_settings(**setting):
+        assert deploy.main(["--file", str(spec), "--wait", "0.5"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err and "pw" not in out + err
+    if url is None:
+        assert (
+            err == "error: no Prefect API to serve on: start one (prefect server start) and "
+            "set PREFECT_API_URL=http://127.0.0.1:4200/api in this shell\n"
+        )
+        return
+    shown = url.replace("alice:pw@", "***@")
+    assert err.startswith(f"error: PREFECT_API_URL {shown}: no Prefect API answers")
+    assert why in err and err.endswith("or fix PREFECT_API_URL\n")
+    if not url.startswith("notaurl"):  # a URL that can be one: waited for, said once
+        assert out.startswith(f"waiting up to 0.5 s for the Prefect API at {shown} (URLError")
+        assert out.count("\n") == 1
+
+
+@pytest.mark.slow  # a Prefect server, a serve process, two flow runs, two registrations
+@pytest.mark.timeout(900)
+def test_deploy_waits_for_a_starting_server_and_each_path_runs_one_flow_at_a_time(tmp_path):
+    """A real Prefect server started after `python -m flows.deploy`: the serve process says
+    once that it waits, then serves; two runs of its deployment started together: one runs,
+    the other is cancelled by the concurrency limit. `--pool` for a pool that does not exist
+    is one line; for one that does, it registers the deployment with the same limit."""
+    from conftest import answers, free_port
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.objects import ConcurrencyLimitStrategy, StateType
+
+    CANCEL_NEW = ConcurrencyLimitStrategy.CANCEL_NEW
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env |= {
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+    }
+    spec = _deployments(tmp_path, params=str(SMOKE))  # a flow that runs for minutes
+    deploy = [sys.executable, "-m", "flows.deploy", "--file", str(spec), "--work-dir",
+              str(tmp_path / "work")]  # fmt: skip
+    serving = _spawn([*deploy, "--wait", "600"], env, tmp_path / "serve.log")
+    server = None
+    try:
+        _until(lambda: "waiting up to 600 s" in (tmp_path / "serve.log").read_text(), 300)
+        server = _spawn([str(Path(sys.executable).parent / "prefect"), "server", "start",
+                         "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+                        env, tmp_path / "server.log")  # fmt: skip
+        _until(lambda: answers(f"{api}/health"), 300)
+        with SyncPrefectClient(api) as client:
+            served = _until(lambda: _deployment(client, "wmt14-ende/x"), 300)
+            runs = [client.create_flow_run_from_deployment(served.id) for _ in range(2)]
+            states = lambda: [client.read_flow_run(r.id).state for r in runs]
+            _until(
+                lambda: {s.type for s in states()} == {StateType.RUNNING, StateType.CANCELLED}, 300
+            )
+            (cancelled,) = [s for s in states() if s.type == StateType.CANCELLED]
+            assert cancelled.message == "Deployment concurrency limit reached."
+            log = (tmp_path / "serve.log").read_text()
+            assert log.count("waiting up to 600 s for the Prefect API") == 1
+            assert "each deployment runs one flow at a time" in log
+            os.killpg(serving.pid, signal.SIGTERM)  # and its running flow with it
+            serving.wait(timeout=120)
+            missing = subprocess.run([*deploy, "--pool", "gpu"], env=env, capture_output=True,
+                                     text=True, timeout=300)  # fmt: skip
+            assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+            assert "Could not find work pool 'gpu'" in missing.stderr
+            client.create_work_pool(WorkPoolCreate(name="gpu", type="process"))
+            pooled = subprocess.run([*deploy, "--pool", "gpu"], env=env, capture_output=True,
+                                    text=True, timeout=300)  # fmt: skip
+            assert pooled.returncode == 0, pooled.stdout + pooled.stderr
+            assert "registered wmt14-ende/x-gpu for work pool gpu" in pooled.stdout
+            registered = client.read_deployment_by_name("wmt14-ende/x-gpu")
+            assert registered.work_pool_name == "gpu"
+            assert registered.global_concurrency_limit.limit == 1
+            assert registered.concurrency_options.collision_strategy == CANCEL_NEW
+            assert registered.parameters["work_dir"] == str(tmp_path / "work")
+    finally:
+        for proc in (serving, server):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=120)
+
+
+def _spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def _until(ready, seconds: float):
+    deadline = time.monotonic() + seconds
+    while not (answer := ready()):
+        assert time.monotonic() < deadline, "not ready"
+        time.sleep(1)
+    return answer
+
+
+def _deployment(client, name: str):
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return client.read_deployment_by_name(name)
+    except ObjectNotFound:
+        return None
