@@ -28,8 +28,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from transformer.config import CleanConfig, ShardConfig, VocabConfig
-from transformer.data.batching import ShardDataset, TokenBatchSampler
 from transformer.data.clean import clean_corpus
+from transformer.data.dataset import ShardDataset
+from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shard import encode_and_shard, verify_shards
 from transformer.data.vocab import learn_vocab
 

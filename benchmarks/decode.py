@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.measure import sync
 from transformer.config import DecodeConfig, load_params
 from transformer.decoding.search import beam_search, greedy_search
 from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
@@ -164,8 +165,7 @@ def ops_per_step(model, sources, cfg: DecodeConfig, mode: str, device: str) -> f
 def run(model, sources, cfg: DecodeConfig, mode: str, device: str, restrict_attention=True):
     """Seconds, target tokens (EOS included) and the outputs, to decode all sources;
     `restrict_attention=False`: beam search under torch's own attention kernels."""
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(torch.device(device))
     start, tokens, outputs = time.perf_counter(), 0, [[] for _ in sources]
     arena = Arena()  # as translate keeps one from batch to batch
     for batch in batch_by_tokens(sources, cfg.max_tokens):
@@ -184,8 +184,7 @@ def run(model, sources, cfg: DecodeConfig, mode: str, device: str, restrict_atte
         tokens += sum(len(o) + 1 for o in outs)
         for j, out in zip(batch, outs, strict=True):
             outputs[j] = out
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(torch.device(device))
     return time.perf_counter() - start, tokens, outputs
 
 
@@ -240,8 +239,7 @@ def marian_generator(model: Transformer, cfg: DecodeConfig, device: str):
 def run_marian(marian, sources, cfg: DecodeConfig, fixed: bool, device: str):
     """As `run`, with MarianMTModel.generate's beam search; `fixed`: each output is as long
     as its batch's sources (as run_ctranslate2)."""
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(torch.device(device))
     start, tokens, outputs = time.perf_counter(), 0, [[] for _ in sources]
     for batch in batch_by_tokens(sources, cfg.max_tokens):
         src = pad_batch([sources[j] for j in batch], device)
@@ -259,8 +257,7 @@ def run_marian(marian, sources, cfg: DecodeConfig, fixed: bool, device: str):
             end = row.index(EOS) if EOS in row else len([t for t in row if t != PAD])
             outputs[j] = row[:end]
             tokens += min(end + 1, len(row))  # EOS counted, where it came
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(torch.device(device))
     return time.perf_counter() - start, tokens, outputs
 
 

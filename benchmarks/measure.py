@@ -1,4 +1,5 @@
-"""Timing on a device, and a failure's one-line status: what every benchmark here shares.
+"""Timing on a device, a failure's one-line status, the profiler's tables and the printed
+ones: what every benchmark here shares.
 
 torch only, no import of the library: the GPU proof's "before" measures the base commit's
 tree in a process where this checkout's `transformer` must not be imported
@@ -33,6 +34,14 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int = 1) -> floa
         fn()
     sync(device)
     return (time.perf_counter() - start) / reps
+
+
+def print_columns(head: list[str], rows: list[list[str]], right: bool = False) -> None:
+    """A table on stdout: the columns as wide as their widest cell, two spaces apart."""
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    for row in [head, *rows]:
+        cells = zip(row, widths, strict=True)
+        print("  ".join(cell.rjust(w) if right else cell.ljust(w) for cell, w in cells))
 
 
 def failure(err: Exception, batch: tuple | None = None) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from benchmarks.measure import PEAK_TFLOPS, failure, sync
+from benchmarks.measure import PEAK_TFLOPS, failure, print_columns, sync
 from transformer.config import ModelConfig, Params, load_params
 from transformer.nn.attention import attention_context
 from transformer.nn.loss import label_smoothed_loss
@@ -338,10 +338,7 @@ def print_table(rows: list[dict]) -> None:
         [r.get("status", "-") if r.get(c) is None else fmt.get(c, "{}").format(r[c]) for c in cols]
         for r in rows
     ]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-    for row in cells:
-        print("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)))
+    print_columns(cols, cells, right=True)
 
 
 def ratios(rows: list[dict]) -> list[str]:

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import sentencepiece as spm
 import torch
 
-from benchmarks.measure import PEAK_TFLOPS
+from benchmarks.measure import PEAK_TFLOPS, print_columns
 from transformer.config import Params, ShardConfig, load_params
 from transformer.tokens import BOS, EOS, PAD, UNK
 
@@ -355,7 +355,7 @@ def print_table(rows: list[dict], args) -> None:
         "MFU",
         "peak mem",
     ]
-    lines = [head]
+    lines = []
     for r in rows:
         tflops = r["tokens_per_s"] * r["flops_per_token"] / 1e12
         lines.append(
@@ -372,11 +372,9 @@ def print_table(rows: list[dict], args) -> None:
                 f"{r['peak_mem_gb']:.2f} GB" + ("" if gpu else " RSS"),
             ]
         )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     corpus = Path(args.corpus).name
     print(f"\n{args.steps} steps per case, the first fifth left out; corpus {corpus}")
-    for row in lines:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+    print_columns(head, lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The `wmt14-ende` flow: the stage table of tasks/stages.py, run in order,
-download -> clean -> learn BPE -> encode + shard -> train (torchrun) -> average -> decode +
-score, every stage tracked in MLflow, then the results published.
+"""The `wmt14-ende` flow: the rows of the stage table (tasks/stages.py) that the params ask
+for, in order, prepare -> clean -> vocab -> shards -> train -> (cooldowns) -> average ->
+decode -> (export), every stage tracked in MLflow, then the results published.
 
     python -m flows.wmt14_ende params/smoke.yaml [dotted.key=value ...] [--work-dir DIR]
 

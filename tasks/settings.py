@@ -85,7 +85,7 @@ class PipelineConfig(Section):
     # MLflow: None = sqlite:///<work dir>/mlflow.db. MLFLOW_TRACKING_URI and
     # MLFLOW_EXPERIMENT_NAME win over these, as everywhere in MLflow.
     tracking_uri: str | None = operational(None)
-    experiment: str = operational("wmt14-ende")
+    experiment: str | None = operational(None)  # None: the language pair's (experiment_name)
     # Where the train stage's processes run: this machine, or a job on a Slurm cluster
     # (tasks/slurm.py) whose nodes share the work dir's file system.
     launcher: Literal["local", "slurm"] = operational("local")
@@ -140,4 +140,9 @@ def tracking_uri(params: RunParams, work_dir: Path) -> str:
 
 
 def experiment_name(params: RunParams) -> str:
-    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or params.pipeline.experiment
+    """MLFLOW_EXPERIMENT_NAME, else pipeline.experiment, else the pipeline's experiment of
+    the params' language pair, `wmt14-<src><tgt>`: `wmt14-ende` for English-German (base,
+    big, smoke, multi30k), `wmt14-enfr` for English-French. It names the registered model
+    too (`<experiment>-<params stem>`), so a pair never registers under another's name."""
+    pair = f"wmt14-{params.data.src_lang}{params.data.tgt_lang}"
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or params.pipeline.experiment or pair

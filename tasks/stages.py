@@ -5,7 +5,7 @@ whose outputs it reads, and the library function that does the work. From the ta
 the flow (flows/wmt14_ende.py runs the rows the params ask for, in order), the folder
 layout, reuse, and the MLflow child runs (tasks/runner.py). A new stage is one row here and
 one library function; a new params section for it, if it needs one, goes in
-transformer/config.py.
+transformer/config/schema.py.
 
 A stage writes into `<work>/<stage>/<key>`; the key hashes the identity of its params
 sections (config.operational keys left out), the fingerprints of its inputs' outputs, and,

@@ -12,7 +12,9 @@ import sentencepiece as spm
 import torch
 
 from transformer.config import ShardConfig
-from transformer.data.batching import BatchLoader, ShardDataset, TokenBatchSampler
+from transformer.data.dataset import ShardDataset
+from transformer.data.loader import BatchLoader
+from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shard import encode_and_shard
 from transformer.tokens import BOS, EOS, PAD
 

@@ -39,7 +39,7 @@ from flows.wmt14_ende import wmt14_ende
 from tasks.settings import load_run_params
 from tasks.stages import StageRun
 from tasks.train import TrainingFailed, train_cooldowns
-from transformer import config
+from transformer.config import loading
 from transformer.model_file import load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,10 +70,10 @@ def parses() -> list[Path]:
 
 @pytest.fixture(scope="module")
 def first(work, parses):
-    # Every parse reads its file through config._read_tree, whatever the name it is called
+    # Every parse reads its file through loading._read_tree, whatever the name it is called
     # by (load_run_params, load_params): count the reads of a file itself, not of a file it
     # extends.
-    read = config._read_tree
+    read = loading._read_tree
 
     def counted(path: Path, seen: tuple) -> dict:
         if not seen:
@@ -81,7 +81,7 @@ def first(work, parses):
         return read(path, seen)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(config, "_read_tree", counted)
+        patch.setattr(loading, "_read_tree", counted)
         state = wmt14_ende(SMOKE, TINY_FLOW, str(work), return_state=True)
     assert state.is_completed(), state
     return state.result(), state.state_details.flow_run_id

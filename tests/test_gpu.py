@@ -19,7 +19,7 @@ from test_search import HostReads, batch, real_sources
 from torch.nn.attention import SDPBackend
 
 from transformer.config import ModelConfig
-from transformer.decoding import search
+from transformer.decoding import static_search
 from transformer.decoding.search import beam_search
 from transformer.model_file import load_typed
 from transformer.nn import attention
@@ -281,7 +281,7 @@ def test_cuda_graphs_replay_the_static_search(monkeypatch):
     monkeypatch.undo()
     longest = max(len(h.tokens) for hyps in static for h in hyps)
     assert len(replays) >= longest - 1 > 0  # steps 2.. of at least longest + 1
-    assert reads.count <= (longest + 8) // search.CHECK_EVERY + 5
+    assert reads.count <= (longest + 8) // static_search.CHECK_EVERY + 5
     shrinking = beam_search(model, src, 4, 0.6, 1.0, 40, n_best=2, static=False)
     for row, hyps in zip(src, static, strict=True):
         for h in hyps:

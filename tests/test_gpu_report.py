@@ -26,7 +26,7 @@ from benchmarks.gpu_report import (
     train_loop,
 )
 from benchmarks.gpu_report.section import Ctx, peer
-from transformer.decoding import search
+from transformer.decoding.beams import decoding_context
 
 SECTIONS = [
     "environment",
@@ -184,9 +184,9 @@ def test_the_default_attention_row_lifts_the_restriction_and_only_it():
     cuda = torch.device("cuda")  # attention_context restricts on CUDA only; its flags are
     cudnn = torch.backends.cuda.cudnn_sdp_enabled  # process-wide, readable without a GPU
     with warnings.catch_warnings(action="ignore"):  # autocast("cuda") without a GPU warns
-        with search._inference(cuda, restrict_attention=False):
+        with decoding_context(cuda, restrict_attention=False):
             assert cudnn()
-        with search._inference(cuda):
+        with decoding_context(cuda):
             assert not cudnn()
     assert cudnn()
 

@@ -1,10 +1,10 @@
-"""README and docs/ tell the truth: every command in their shell blocks names a real make
-target, params that validate (the params files a guide writes out included), options the
-command has, and Prefect settings that exist; every relative link resolves, anchors
-included. (What each command does is tested where it lives: the flow in test_flow,
-translate in test_translate, export in test_export, the served model and the Prefect
-server in test_flow, the work pool and the server's port in test_team; CI runs `make demo`
-and `make test`.)"""
+"""README, benchmarks/README and docs/ tell the truth: every command in their shell blocks
+names a real make target, params that validate (the params files a guide writes out
+included), options the command has, and Prefect settings that exist; every relative link
+resolves, anchors included. (What each command does is tested where it lives: the flow in
+test_flow, translate in test_translate, export in test_export, the served model and the
+Prefect server in test_flow, the work pool and the server's port in test_team, the
+benchmarks in test_benchmarks; CI runs `make demo` and `make test`.)"""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tasks.settings import load_run_params
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "benchmarks/README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SKIP = {".", "export", "curl"}  # the shell's own, and the client of a server tested elsewhere
 ENV = re.compile(r"[A-Z][A-Z0-9_]*=\S*")  # a variable set for one command: `VAR=value cmd`
 

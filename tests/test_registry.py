@@ -1,5 +1,6 @@
 """The registry in a real MLflow store: the alias `best` follows validation BLEU, never test;
-the smoke flow's registered model loads from a moved work dir and carries no code."""
+the names a run's experiment and registered model take from its params; the smoke flow's
+registered model loads from a moved work dir and carries no code."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import yaml
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from flows.wmt14_ende import open_run
 from tasks import registry
 from tasks.registry import BEST, promote_if_best
+from tasks.settings import experiment_name, load_run_params
+from transformer.config import params_hash
+
+PARAMS = Path(__file__).resolve().parents[1] / "params"
 
 NAME = "wmt14-ende-smoke"
 SOURCE = "file:///nonexistent/model"  # the alias reads tags only: no model files needed
@@ -48,6 +54,39 @@ def test_a_holder_without_a_validation_score_yields_to_a_version_with_one(tmp_pa
     client.set_registered_model_alias(NAME, BEST, old)
     new = _version(client, valid=1.0, test=1.0)
     assert client.get_model_version_by_alias(NAME, BEST).version == new
+
+
+@pytest.mark.parametrize(
+    "file, overrides, experiment",
+    [
+        ("base.yaml", [], "wmt14-ende"),
+        ("big.yaml", [], "wmt14-ende"),
+        ("smoke.yaml", [], "wmt14-ende"),
+        ("multi30k.yaml", [], "wmt14-ende"),
+        ("multi30k-enfr.yaml", [], "wmt14-enfr"),
+        ("multi30k.yaml", ["data.tgt_lang=cs"], "wmt14-encs"),
+        ("multi30k-enfr.yaml", ["pipeline.experiment=mine"], "mine"),
+    ],
+)
+def test_the_experiment_follows_the_language_pair(file, overrides, experiment, monkeypatch):
+    """The WMT14 params keep `wmt14-ende` (the deployments' and README's names); another
+    pair never inherits it from base.yaml."""
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert experiment_name(load_run_params(PARAMS / file, overrides)) == experiment
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "theirs")  # MLflow's variable wins
+    assert experiment_name(load_run_params(PARAMS / file, overrides)) == "theirs"
+
+
+def test_an_english_czech_run_registers_under_its_own_pair(tmp_path, monkeypatch):
+    """Where the flow makes the names (open-run): an English-Czech run of the params stem
+    `encs` opens its run in experiment wmt14-encs and registers as wmt14-encs-encs, never
+    as wmt14-ende-encs."""
+    for name in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    params = load_run_params(PARAMS / "multi30k.yaml", ["data.tgt_lang=cs"])
+    run = open_run.fn(params, params_hash(params), "encs", str(tmp_path))
+    assert run["registered_model"] == "wmt14-encs-encs"
+    assert MlflowClient(run["uri"]).get_experiment(run["experiment_id"]).name == "wmt14-encs"
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -477,7 +477,7 @@ def test_decoding_on_cuda_keeps_the_cast_weights_of_autocast():
     autocast (the same cache); the search on CUDA, in bf16 autocast, uses no_grad."""
     from torch.profiler import profile
 
-    from transformer.decoding.search import _inference
+    from transformer.decoding.beams import decoding_context
 
     layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
 
@@ -490,5 +490,5 @@ def test_decoding_on_cuda_keeps_the_cast_weights_of_autocast():
     assert casts(torch.inference_mode) == 15 and casts(torch.no_grad) == 7  # x 5, w, b once
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autocast("cuda") without a GPU: off, with a warning
-        with _inference(torch.device("cuda")):
+        with decoding_context(torch.device("cuda")):
             assert not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

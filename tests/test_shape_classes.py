@@ -8,8 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-from transformer.data import batching
-from transformer.data.batching import TokenBatchSampler, fit_shape_classes, shape_report
+from transformer.data import shape_classes
+from transformer.data.sampler import TokenBatchSampler, shape_report
+from transformer.data.shape_classes import fit_shape_classes
 
 
 def wmt_like(n: int = 150_000, seed: int = 0, longer_targets: float = 1.0):
@@ -72,7 +73,8 @@ def test_wmt_like_lengths_fall_in_at_most_16_shapes_mostly_real(wmt, corpus, max
 def test_padding_the_sides_apart_beats_one_length(wmt, monkeypatch):
     src, tgt = wmt["en-de"]
     apart = shape_report(_sampler(src, tgt, 4096)).ratio  # 0.870
-    monkeypatch.setattr(batching, "SLOPES", [batching.DEN])  # bands of the longer side only
+    # Bands of the longer side only:
+    monkeypatch.setattr(shape_classes, "SLOPES", [shape_classes.DEN])
     one_length = _sampler(src, tgt, 4096)
     assert all(s == t for _, s, t in one_length.shapes[1:])  # a large corpus fills each band
     assert apart > shape_report(one_length).ratio + 0.01  # 0.856
@@ -107,12 +109,12 @@ def _padded(src, tgt, key, edges, max_tokens):
     return total
 
 
-@pytest.mark.parametrize("slope", [batching.DEN, 72])
+@pytest.mark.parametrize("slope", [shape_classes.DEN, 72])
 def test_the_classes_are_the_least_padding_bands(slope):
     src, tgt = wmt_like(400, seed=2, longer_targets=1.1)
     src, tgt = np.minimum(src, 60), np.minimum(tgt, 60)  # few distinct keys: brute force
     classes = fit_shape_classes(src, tgt, 512, 3, slopes=[slope])
-    key = np.maximum(src * slope, tgt * batching.DEN)
+    key = np.maximum(src * slope, tgt * shape_classes.DEN)
     values = np.unique(key)
     best = min(  # every split of the distinct keys in at most 3 bands
         _padded(src, tgt, key, np.array([*cut, values[-1]]), 512)
@@ -131,10 +133,10 @@ def test_the_classes_are_the_least_padding_bands(slope):
 def test_the_slope_that_pads_least_is_chosen():
     src, tgt = wmt_like(5000, longer_targets=1.1)
     chosen = fit_shape_classes(src, tgt, 4096, 8)
-    key = lambda slope: np.maximum(src * slope, tgt * batching.DEN)
+    key = lambda slope: np.maximum(src * slope, tgt * shape_classes.DEN)
     padded = _padded(src, tgt, key(chosen.slope), chosen.edges, 4096)
-    assert chosen.slope > batching.DEN  # targets longer: sources weigh more in the key
-    for slope in batching.SLOPES:
+    assert chosen.slope > shape_classes.DEN  # targets longer: sources weigh more in the key
+    for slope in shape_classes.SLOPES:
         edges = fit_shape_classes(src, tgt, 4096, 8, slopes=[slope]).edges
         assert padded <= _padded(src, tgt, key(slope), edges, 4096)
 

@@ -334,7 +334,9 @@ def test_source_side_bpe_dropout_leaves_every_target_plain(corpus, shards, tmp_p
 
 
 def test_an_epoch_over_copies_counts_as_that_many_passes(corpus, tmp_path):
-    from transformer.data.batching import BatchLoader, ShardDataset, TokenBatchSampler
+    from transformer.data.dataset import ShardDataset
+    from transformer.data.loader import BatchLoader
+    from transformer.data.sampler import TokenBatchSampler
 
     clean, model = corpus
     cfg = ShardConfig(bucket_width=8, rows_per_shard=40, workers=1, src_bpe_dropout=0.1, copies=4)

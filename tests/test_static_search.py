@@ -1,4 +1,4 @@
-"""The static beam search (search._StaticSearch on kv_cache.StaticKVCache) against the
+"""The static beam search (static_search.StaticSearch on kv_cache.StaticKVCache) against the
 shrinking one: the same hypotheses, bitwise, on a CPU in fp32; one compilation of its step
 for all steps; its ops per step; its host reads (its CUDA graphs: tests/test_gpu.py)."""
 
@@ -12,8 +12,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from transformer.config import ModelConfig
-from transformer.decoding import search
-from transformer.decoding.search import _StaticSearch, beam_search, max_lengths
+from transformer.decoding import static_search
+from transformer.decoding.beams import max_lengths
+from transformer.decoding.search import beam_search
+from transformer.decoding.static_search import StaticSearch
 from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
 from transformer.nn import kernels
 from transformer.nn.kv_cache import StaticKVCache
@@ -124,7 +126,7 @@ def test_the_step_compiles_once_for_every_step():
     torch._dynamo.reset()
     counters.clear()
     backend = CompileCounterWithBackend("aot_eager")
-    compiled = _StaticSearch.run(model, src, 4, 0.6, 1.0, 45, 2, None, None, compile=backend)
+    compiled = StaticSearch.run(model, src, 4, 0.6, 1.0, 45, 2, None, None, compile=backend)
     assert backend.frame_count == 1
     assert not counters["graph_break"] and not counters["recompiles"]
     eager = beam_search(model, src, 4, 0.6, 1.0, 45, n_best=2, static=True)
@@ -150,7 +152,7 @@ def test_a_step_of_the_base_model_issues_at_most_130_ops(dtype, monkeypatch):
     src[:, -1] = EOS
     limit = max_lengths(src, 1.0, 10, None)
     with torch.no_grad():
-        static = _StaticSearch(model, src, 4, 0.6, limit, int(limit.max()), 1, None)
+        static = StaticSearch(model, src, 4, 0.6, limit, int(limit.max()), 1, None)
         static.step()  # step 0
         static.beams.pin()
         static.step()
@@ -162,7 +164,7 @@ def test_a_step_of_the_base_model_issues_at_most_130_ops(dtype, monkeypatch):
 
 def test_the_static_search_reads_the_host_once_per_check(monkeypatch):
     """One read per done-check (every 8 steps here, as on CUDA), a few per batch."""
-    monkeypatch.setattr(search, "CPU_CHECK_EVERY", 8)
+    monkeypatch.setattr(static_search, "CPU_CHECK_EVERY", 8)
     model, src = tiny_transformer(slope=0.0), batch(*real_sources(12))
     with HostReads(monkeypatch) as reads:
         found = beam_search(model, src, 4, 0.6, 1.0, 30, static=True)

@@ -42,7 +42,6 @@ from transformer.training.distributed import (
 )
 from transformer.training.lifecycle import StopSignal, die_with_parent, prepare_run_dir
 from transformer.training.metrics import ConsoleLogger, MetricsLogger, NullLogger, TeeLogger
-from transformer.training.plan import log_plan
 from transformer.training.trainer import EXIT_USAGE, Trainer
 
 log = logging.getLogger("transformer.train")  # not "__main__" under -m
@@ -116,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(params: Params, args: argparse.Namespace, env: DistEnv, logger: MetricsLogger | None):
     t = Trainer(params, env, args.data, args.out)
-    log_plan(t)
+    t.log_plan()
     t.resume(args.allow_param_change, args.init_from)
     if env.is_main:  # the run folder's copy of the vocabulary: the export bundles it
         atomic_write(args.out / SPM_MODEL, t.sp.serialized_model_proto())

@@ -201,7 +201,8 @@ class _ChunkEncoder:
         # One thread per process: the parallelism is the process pool.
         sampling = {"enable_sampling": True, "alpha": dropout} if dropout else {}
         seqs = self.sp.encode(texts.to_pylist(), add_eos=True, num_threads=1, **sampling)
-        # Flattening through numpy is ~10x faster than pa.array(list_of_lists).
+        # Flattening through numpy is faster than pa.array(list_of_lists), which reads the
+        # lists as Python objects (benchmarks/results/2026-11-29-zen3-code-figures/NOTES.md).
         offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(np.fromiter(map(len, seqs), np.int32, len(seqs)), out=offsets[1:])
         values = np.fromiter(itertools.chain.from_iterable(seqs), np.int32, int(offsets[-1]))

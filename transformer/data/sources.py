@@ -1,4 +1,4 @@
-"""Stage "download": a source's train/valid/test splits as parquet files of `src`, `tgt`.
+"""Stage "prepare": a source's train/valid/test splits as parquet files of `src`, `tgt`.
 
 A source is either the Hugging Face hub dataset of the paper's data (`wmt/wmt14`, config
 `de-en`, at a pinned revision) or a local folder: plain-text parallel files `{split}.{lang}`
@@ -161,7 +161,7 @@ def write_pairs(batches: Iterable[pa.RecordBatch], path: Path) -> int:
 
 def load_hub_split(source: SourceConfig, split: str):
     """`datasets.load_dataset` at the pinned revision, retried with backoff on network errors."""
-    import datasets  # a heavy import (~1 s) that only the hub path needs
+    import datasets  # a heavy import that only the hub path needs
 
     what = (
         f"the Hugging Face dataset {source.hub!r} (config {source.config!r}, "

@@ -4,11 +4,11 @@ SDPA takes, per call, the first backend in its priority order that is enabled an
 constraints the inputs meet. Since torch 2.9 (pytorch/pytorch#162073) that order puts cuDNN
 attention first on sm90/sm100 (H100, B200) with a recent cuDNN. cuDNN builds an execution
 plan per exact problem (batch, heads, query and key lengths, strides, mask, causal flag:
-aten/src/ATen/native/cudnn/MHA.cpp caches plans under all of them, per thread), tens of
-milliseconds of host time each. This model calls SDPA with a new shape all the time: a
-WMT epoch has ~280 (batch, length) shapes x 3 attention calls x forward and backward, and
-beam search has a new key length at every step. That is minutes of plan building in
-training and 10-100x slower decoding.
+aten/src/ATen/native/cudnn/MHA.cpp caches plans under all of them, per thread), host time
+at every new shape (what its first call costs on an H200: docs/results/gpu.md). This model
+calls SDPA with a new shape all the time: a WMT epoch has ~280 (batch, length) shapes x 3
+attention calls x forward and backward, and beam search has a new key length at every
+step, so plan building would dominate training and decoding.
 
 So on CUDA the order is fixed here (`CUDA_BACKENDS`), by what each call of model.py needs:
 - flash: calls without a mask, the decoder's causal self-attention in training (SDPA's

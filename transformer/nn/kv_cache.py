@@ -282,8 +282,9 @@ class SelfAttentionKV:
             cpu_decoding.keep_slots(self.keys(), slots)
             cpu_decoding.keep_slots(self.kv[1], slots)
             return
-        # An index_select of (row, head, slot) vectors: 2-7x faster than a gather along the
-        # slots, whose index repeats each slot d_k times. Keys and values apart: once rows
+        # An index_select of (row, head, slot) vectors: faster than a gather along the
+        # slots, whose index repeats each slot d_k times (15b6030,
+        # benchmarks/results/2026-11-25-cpu-2cores/decode.md). Keys and values apart: once rows
         # have left (`keep`), the two are not one contiguous block, and index_select would
         # first copy the whole buffer to make them one.
         (_, b, h, room, d_k), n = self.kv.shape, slots.size(1)

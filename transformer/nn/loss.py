@@ -27,8 +27,8 @@ from transformer.nn.kernels import cpu_path, linear
 # Logits per chunk, whatever the vocabulary. On a GPU, 512 MB in bf16: few, large products
 # (and few launches: each chunk is ~20 ops). On a CPU, 8 MB: a chunk stays in cache, and
 # glibc's malloc reuses its memory (blocks over 32 MB are fresh mappings, page-faulted and
-# zeroed at every use): the loss of a Multi30k step (1,750 tokens, 8k vocabulary, 1 thread)
-# takes 73 ms instead of 122.
+# zeroed at every use), which made a Multi30k step's loss faster (3083278; the figures:
+# benchmarks/results/2026-11-29-zen3-code-figures/NOTES.md).
 CHUNK_LOGITS = {"cuda": 1 << 28, "cpu": 1 << 21}
 
 
@@ -135,7 +135,8 @@ def _softmax(z: Tensor, target: Tensor, stats: Tensor, scale: float = 1.0):
     returns the softmax, in z's memory, and the log-normaliser lse (c,) in fp32.
 
     lse = m + log sum exp(z - m), in place, with fp32 sums; no log-softmax is materialised
-    (on a CPU, the passes over a chunk with one took 1.4-1.8x these)."""
+    (the passes over a chunk with one were slower on a CPU:
+    benchmarks/results/2026-11-25-cpu-2cores/train_step.md)."""
     z_y = z.gather(1, target[:, None]).sum(dtype=torch.float32)
     z_all = z.sum(dtype=torch.float32)
     m = z.amax(dim=-1, keepdim=True)  # (c, 1)

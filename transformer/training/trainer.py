@@ -26,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from transformer.cli import UserError
 from transformer.config import ModelConfig, Params, to_dict
-from transformer.data.batching import Batch, BatchLoader, ShardDataset, TokenBatchSampler
+from transformer.data.dataset import Batch, ShardDataset
+from transformer.data.loader import BatchLoader
+from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shard import verify_shards
 from transformer.data.vocab import load_spm
 from transformer.model_file import load_typed
@@ -40,17 +42,9 @@ from transformer.training.checkpoint import (
     RankRNG,
     resume_differences,
 )
-from transformer.training.distributed import (
-    DistEnv,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-)
+from transformer.training.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
 from transformer.training.lifecycle import StopSignal
-from transformer.training.metrics import (
-    MetricsLogger,
-    TrainMeter,
-)
+from transformer.training.metrics import MetricsLogger, TrainMeter
 from transformer.training.optim import (
     build_optimizer,
     clip_gradients,
@@ -59,7 +53,7 @@ from transformer.training.optim import (
     resync_lr,
     with_these_kernels,
 )
-from transformer.training.plan import batch_plan
+from transformer.training.plan import batch_plan, log_plan
 from transformer.training.precision import ComputeWeights
 from transformer.training.validate import EarlyStopping, validate
 
@@ -147,6 +141,12 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the last state this run wrote
         self.meter = TrainMeter(env.device)
         self._vote: torch.Tensor | None = None  # the last update's stop flag, all ranks
+
+    def log_plan(self) -> None:
+        """What the run is about to do, in the log (plan.log_plan)."""
+        micro, branch = self.loader.sampler.max_tokens, self.checkpoints.branch_point is not None
+        log_plan(self.cfg, self.env, self.model, self.bf16, self.update_freq, micro,
+                 self.run_dir, branch)  # fmt: skip
 
     def autocast(self):
         if self.bf16:

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from transformer.config import Params
-from transformer.data.batching import BatchLoader, ShardDataset, TokenBatchSampler
+from transformer.data.dataset import ShardDataset
+from transformer.data.loader import BatchLoader
+from transformer.data.sampler import TokenBatchSampler
 from transformer.nn.loss import label_smoothed_loss
 from transformer.nn.model import Transformer
 from transformer.tokens import EOS, PAD
