@@ -409,3 +409,89 @@ def _deployment(client, name: str):
         return client.read_deployment_by_name(name)
     except ObjectNotFound:
         return None
+
+
+# --- Each file argument is what it must be, and no error quotes a file (the commands) -----
+
+CONTENT = "root:x:0:0:boundary-content-marker:/root:/bin/bash"
+
+
+@pytest.fixture(scope="module")
+def files(tiny_params, tiny_shards, tmp_path_factory) -> dict[str, Path]:
+    """A trained run, its snapshot, its model file and sentencepiece model, and files that
+    are none of these."""
+    from transformer import train
+    from transformer.config import AverageConfig
+    from transformer.training import average
+
+    root = tmp_path_factory.mktemp("files")
+    run = root / "run"
+    steps = ["train.max_steps=2", "train.save_every=2", "train.valid_every=2"]
+    assert (
+        train.main([str(tiny_params), *steps, "--data", str(tiny_shards), "--out", str(run)]) == 0
+    )
+    model = average.export_average(run, AverageConfig(last_n=1), root / "model.pt")
+    (root / "folder").mkdir()
+    (root / "passwd").write_text(CONTENT + "\n")
+    return {
+        "run": run, "snapshot": next((run / "checkpoints").glob("model-*.pt")), "model": model,
+        "spm": tiny_shards / "spm.model", "folder": root / "folder", "passwd": root / "passwd",
+        "zero": Path("/dev/zero"), "missing": root / "missing", "out": root / "out.pt",
+    }  # fmt: skip
+
+
+FILE_ARGUMENTS = [  # (command, its arguments, what the one line holds)
+    ("average", ["{snapshot}", "--spm", "{passwd}"], "{passwd}: not a sentencepiece model"),
+    ("average", ["{snapshot}", "--spm", "{model}"], "{model}: not a sentencepiece model"),
+    ("average", ["{snapshot}", "--spm", "{folder}"],
+     "{folder}: a folder, not a sentencepiece model"),
+    ("average", ["{snapshot}", "--spm", "{zero}"],
+     "/dev/zero: not a regular file, not a sentencepiece model"),
+    ("average", ["{snapshot}", "--spm", "{missing}"], "argument --spm: {missing}: no such file"),
+    ("average", ["{run}", "{snapshot}"], "{snapshot}: not a run folder, as the other inputs are"),
+    ("average", ["{zero}", "--spm", "{spm}"], "/dev/zero: not a regular file, not a snapshot"),
+    ("translate", ["--model", "{folder}"], "--model: {folder}: a folder, not a model file"),
+    ("translate", ["--model", "{zero}"], "/dev/zero: not a regular file, not a model file"),
+    ("translate", ["--model", "{passwd}"], "{passwd}: unreadable"),
+    ("translate", ["--model", "{spm}"], "{spm}: unreadable"),
+    ("translate", ["--model", "{snapshot}"], "{snapshot}: not an exported model"),
+    ("export", ["{folder}", "--format", "ctranslate2"], "{folder}: a folder, not a model file"),
+    ("export", ["/dev/null", "--format", "ctranslate2"], "/dev/null: not a regular file"),
+    ("export", ["{passwd}", "--format", "ctranslate2"], "{passwd}: unreadable"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command, argv, said", FILE_ARGUMENTS)
+def test_a_file_argument_that_is_not_what_it_must_be_is_one_line(
+    command, argv, said, files, tmp_path, capsys
+):
+    from transformer.decoding import export, translate
+    from transformer.training import average
+
+    out = tmp_path / "out"
+    main, extra = {
+        "average": (average.main, ["--out", str(out)]),
+        "translate": (translate.main, ["--input", str(files["passwd"]), "--output", str(out)]),
+        "export": (export.main, ["--out", str(out)]),
+    }[command]
+    named = {k: str(v) for k, v in files.items()}
+    try:
+        code = main([a.format(**named) for a in argv] + extra)
+    except SystemExit as stop:  # argparse's own error line
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert said.format(**named) in err
+    assert "boundary-content-marker" not in err  # the file's content is never quoted
+    assert not out.exists()
+
+
+def test_a_sentencepiece_model_is_bundled(files, tmp_path):
+    from transformer.model_file import load_model_file
+    from transformer.training import average
+
+    out = tmp_path / "model.pt"
+    assert (
+        average.main([str(files["snapshot"]), "--spm", str(files["spm"]), "--out", str(out)]) == 0
+    )
+    assert load_model_file(out).spm_model == files["spm"].read_bytes()
