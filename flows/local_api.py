@@ -20,7 +20,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
 from tasks.tracking import redact
 
@@ -50,7 +50,8 @@ def local_api() -> Iterator[str]:
         raise
     # No stop at the end of the block: Prefect sends its last logs and events while this
     # process exits, and the server stops when it is gone (PR_SET_PDEATHSIG).
-    with temporary_settings(updates={PREFECT_API_URL: url}):
+    # No UI link ("View at ..."): this API serves no UI, and is gone when the command ends.
+    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: ""}):
         yield url
 
 

@@ -1,6 +1,7 @@
 """The `wmt14-ende` flow: the rows of the stage table (tasks/stages.py) that the params ask
-for, in order, prepare -> clean -> vocab -> shards -> train -> (cooldowns) -> average ->
-decode -> (export), every stage tracked in MLflow, then the results published.
+for, in order, prepare -> clean -> (teachers -> distill) -> vocab -> shards -> train ->
+(cooldowns) -> average -> decode -> (export), every stage tracked in MLflow, then the
+results published. A distillation's teachers are runs of this flow too, as subflows.
 
     python -m flows.wmt14_ende params/smoke.yaml [dotted.key=value ...] [--work-dir DIR]
 
@@ -22,6 +23,8 @@ from pathlib import Path
 # The temporary local API gets 20 s to start by default: too little on a busy 2-core box.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# MLflow's download bar (registering a model) would end the run's output in bar fragments.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 # The library's own log lines (pairs read, filtered, vocabulary, shards) go to the run's log.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "transformer")
 
@@ -31,13 +34,14 @@ from prefect import flow, get_client, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
-from prefect.states import Failed
+from prefect.states import Failed, State
 
 from flows.local_api import LocalApiError, check_api, local_api
+from tasks import stages
+from tasks.distill import check_teachers
 from tasks.publish import publish, summary_lines
 from tasks.runner import ONE_LINE, SERVER_LOST, run_stage, user_failure
 from tasks.settings import Overrides, RunParams, experiment_name, load_run_params, tracking_uri
-from tasks.stages import STAGES
 from tasks.tracking import (
     check_store,
     client_for,
@@ -53,6 +57,7 @@ from tasks.tracking import (
 from transformer.cli import ArgumentParser
 from transformer.config import ParamsError, params_hash, to_yaml
 from transformer.files import PARAMS, atomic_write, locked
+from transformer.training.preflight import PreflightError, preflight
 
 logging.getLogger("transformer").setLevel(logging.INFO)
 
@@ -99,27 +104,33 @@ def wmt14_ende(
     try:
         # Read and validated here, once: every task gets the tree, none reads the file.
         resolved = load_run_params(params, list(overrides or []))
+        check_teachers(resolved, Path(params))
         key = params_hash(resolved)
         work = Path(work_dir).resolve()
         # One flow per params in a work dir: a second one waits, then finds the stages done.
         lock = work / "runs" / f".{key}.lock"
         with locked(lock, waiting(lock)):
-            return run_stages(resolved, key, Path(params).stem, work, refresh)
+            return run_stages(resolved, key, Path(params), work, refresh)
     except Exception as err:
         return user_failure("wmt14-ende", err)
 
 
-def run_stages(params: RunParams, key: str, stem: str, work: Path, refresh: bool):
-    opened = open_run(params, key, stem, str(work), return_state=True)
+def run_stages(params: RunParams, key: str, params_file: Path, work: Path, refresh: bool):
+    opened = open_run(params, key, params_file.stem, str(work), return_state=True)
     if opened.name in ONE_LINE:  # a state of its own: a task's would count as "1 failed"
         return Failed(name=opened.name, message=opened.message)
     run = opened.result()
     records: dict[str, dict] = {}
     try:
-        for stage in STAGES:  # the DAG, in order: tasks/stages.py
+        for stage in stages.STAGES:  # the DAG, in order
             if stage.asked is not None and not stage.asked(params):
                 continue  # no record: the stages that read it leave it out
             upstream = {name: records[name] for name in stage.inputs if name in records}
+            pipelines = run_pipelines(stage, params, params_file, work)
+            if isinstance(pipelines, State):
+                mark_failed(run)
+                return pipelines
+            upstream |= pipelines
             state = run_stage.with_options(name=stage.name)(
                 stage.name, params, run, upstream, refresh, return_state=True
             )
@@ -152,6 +163,31 @@ def forget_credentials(overrides: list[str]) -> None:
         client.update_flow_run(flow_run.id, parameters={**flow_run.parameters, "overrides": kept})
 
 
+def run_pipelines(stage, params: RunParams, params_file: Path, work: Path) -> dict | State:
+    """The pipeline runs the stage reads (`Stage.runs`: a distillation's teachers), each a
+    subflow that reuses what it finds done, as inputs by label; a Failed state if one
+    fails with one line."""
+    inputs = {}
+    for label, (path, overrides) in (stage.runs(params, params_file) if stage.runs else {}).items():
+        state = wmt14_ende.with_options(flow_run_name=f"{stage.name}: {label}")(
+            path, overrides, str(work), return_state=True
+        )
+        if state.name in ONE_LINE:
+            return Failed(name=state.name, message=f"{label}: {state.message}")
+        inputs[label] = pipeline_record(state.result())
+    return inputs
+
+
+def pipeline_record(summary: dict) -> dict:
+    """A finished pipeline run as a stage's input: its model's folder and fingerprint, and
+    its summary as the report."""
+    return {
+        "path": str(Path(summary["model"]).parent),
+        "fingerprint": summary["model_fingerprint"],
+        "report": summary,
+    }
+
+
 def waiting(lock: Path) -> Callable[[], None]:
     """What a flow says when another holds `lock` (transformer.files.locked)."""
     return lambda: print(f"waiting for another flow, which holds {lock}", flush=True)
@@ -166,16 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
     parser.add_argument("--refresh", action="store_true", help="recompute every stage")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --work-dir
-    # Fail fast, before Prefect starts, with the one-line params error. The flow reads the
-    # file again (a deployment starts it with the file's path, not with a tree).
+    # Fail fast, before Prefect starts, with the one-line params error, or what the params
+    # would fail at after hours (transformer/training/preflight.py). The flow reads the file
+    # again (a deployment starts it with the file's path, not with a tree).
     try:
-        load_run_params(args.params, args.overrides)
+        params = load_run_params(args.params, args.overrides)
+        check_teachers(params, Path(args.params))
+        plan = preflight(params, args.params, args.overrides)
         server = os.environ.get("PREFECT_API_URL")
         if server:
             check_api(server)
-    except (ParamsError, LocalApiError) as err:
+    except (ParamsError, PreflightError, LocalApiError) as err:
         print(f"error: {redact(str(err))}".replace("\n", "; "), file=sys.stderr)
         return 2
+    print("\n".join(plan), flush=True)
     try:  # (an override that holds a credential was refused above, before the run exists)
         with local_api() if not server else contextlib.nullcontext():
             state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,

@@ -14,8 +14,8 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.registry import register
 from tasks.report import plot_training_curve
 from tasks.runner import user_failure
+from tasks.stages import OWN, named
 from tasks.tracking import client_for, log_metrics, numbers, redact, store_errors
-from transformer.files import MANIFEST, MODEL, SPM_MODEL, hypotheses
 
 # Final scores of the averaged model with beam search: the valid split as dev/*, the test
 # split as test/*. During training, valid/* is the curve of validations (greedy by default).
@@ -47,23 +47,21 @@ def publish(run: dict, records: dict[str, dict]):
 
 def _publish(run: dict, records: dict[str, dict]) -> dict:
     client, run_id = client_for(run["uri"]), run["run_id"]
-    scores = records["decode"]["report"]
-    step = records["train"]["report"]["step"]
-    metrics = {f"{ROLES[role]}/{k}": v for role, s in scores.items() for k, v in numbers(s).items()}
-    log_metrics(client, run_id, metrics, step=step)
+    shown = Showing(records)
+    scores = shown.rows[OWN]
+    log_metrics(client, run_id, score_metrics(shown.rows), step=shown.step)
     test = scores["test"]
     tags = {
         "sacrebleu_signature": test["bleu_signature"],
         "sacrebleu_lc_signature": test["bleu_lc_signature"],
         "chrf_signature": test["chrf_signature"],
-        "data_fingerprint": records["shards"]["report"]["fingerprint"],
-        "model_path": str(Path(records["average"]["path"]) / MODEL),
+        "model_path": str(shown.model),
+        **shown.tags,
     }
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
-    _upload(client, run_id, records)
-    model = Path(records["average"]["path"]) / MODEL
-    version = register(run, model, scores, records["average"]["fingerprint"])
+    _upload(client, run_id, shown.files)
+    version = register(run, shown.model, scores, shown.model_fingerprint, shown.tags)
     with tempfile.TemporaryDirectory() as tmp:  # redrawn from MLflow: every logged point
         client.log_artifact(
             run_id, str(plot_training_curve(client, [run_id], Path(tmp) / "curve.png"))
@@ -72,11 +70,14 @@ def _publish(run: dict, records: dict[str, dict]) -> dict:
         "run_id": run_id,
         "tracking_uri": redact(run["uri"]),
         "run_url": run_url(run["uri"], run.get("experiment_id"), run_id),
-        "model": tags["model_path"],
+        "model": str(shown.model),
+        "model_fingerprint": shown.model_fingerprint,
         "registered": f"models:/{run['registered_model']}/{version}",
-        "hypotheses": str(Path(records["decode"]["path"]) / hypotheses("test")),
-        "step": step,
+        "paths": shown.paths,
+        "step": shown.step,
         "scores": scores,
+        "rows": shown.rows,
+        "notes": shown.notes,
     }
     client.set_tag(run_id, "mlflow.note.content", description(summary))  # the run's description
     get_run_logger().info("\n".join(summary_lines(summary)))
@@ -88,17 +89,55 @@ def _publish(run: dict, records: dict[str, dict]) -> dict:
     return summary
 
 
-def scores_table(scores: dict) -> list[str]:
-    """A markdown table of the averaged model's beam-search scores, a row per split."""
-    columns = [(k, label) for k, label in COLUMNS if any(k in s for s in scores.values())]
-    lines = [
-        "| split | " + " | ".join(label for _, label in columns) + " |",
-        "|---" * (len(columns) + 1) + "|",
-    ]
-    for split, s in scores.items():
-        cells = [f"{s[k]:.2f}" if k in s else "" for k, _ in columns]
-        lines.append(f"| {split} | " + " | ".join(cells) + " |")
-    test = scores["test"]
+class Showing:
+    """What the finished stages' rows say the run shows (tasks.stages.Shown), gathered."""
+
+    def __init__(self, records: dict[str, dict]):
+        self.rows: dict[str, dict] = {}
+        self.tags: dict[str, str] = {}
+        self.notes: list[str] = []
+        self.files: list[tuple[Path, str]] = []
+        self.paths: dict[str, str] = {}
+        for name, record in records.items():
+            shown, report, folder = named(name).shown, record["report"], Path(record["path"])
+            if shown is None:
+                continue
+            self.rows |= shown.scores(report) if shown.scores else {}
+            self.tags |= shown.tags(report) if shown.tags else {}
+            self.notes += shown.notes(report) if shown.notes else []
+            self.files += [(folder / file, on_run) for file, on_run in shown.files]
+            self.paths |= {label: str(folder / file) for label, file in shown.paths}
+            if shown.step:
+                self.step = shown.step(report)
+            if shown.model:
+                self.model, self.model_fingerprint = folder / shown.model, record["fingerprint"]
+
+
+def score_metrics(rows: dict[str, dict]) -> dict[str, float]:
+    """The run's own model's scores as dev/* and test/*, another row's under its label
+    (ensemble/test/bleu)."""
+    metrics = {}
+    for label, scores in rows.items():
+        prefix = "" if label == OWN else f"{label}/"
+        for role, s in scores.items():
+            metrics |= {f"{prefix}{ROLES[role]}/{k}": v for k, v in numbers(s).items()}
+    return metrics
+
+
+def scores_table(rows: dict[str, dict]) -> list[str]:
+    """A markdown table of beam-search scores, a row per split, of the run's own model and,
+    where the run has more (a distillation's teachers and their ensemble), of each."""
+    splits = [s for scores in rows.values() for s in scores.values()]
+    columns = [(k, label) for k, label in COLUMNS if any(k in s for s in splits)]
+    many = len(rows) > 1
+    head = (["model"] if many else []) + ["split"] + [label for _, label in columns]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for who, scores in rows.items():
+        for split, s in scores.items():
+            cells = ([who] if many else []) + [split] + [f"{s[k]:.2f}" if k in s else ""
+                                                          for k, _ in columns]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    test = rows[OWN]["test"]
     return [
         *lines,
         "",
@@ -111,8 +150,10 @@ def description(summary: dict) -> str:
     return "\n".join([
         f"Averaged model at step {summary['step']}, beam search:",
         "",
-        *scores_table(summary["scores"]),
+        *scores_table(summary["rows"]),
         "",
+        *[line for line in summary["notes"]],
+        *([""] if summary["notes"] else []),
         f"Registered as `{summary['registered']}` (alias `@best`: the version of highest "
         "validation BLEU). Artifacts: `curve.png` (loss, learning rate and validation BLEU "
         "against the step), `attention/sentence-N/` (each layer's attention on the first test "
@@ -125,19 +166,17 @@ def artifact_markdown(summary: dict, experiment_id: str | None, registered_model
     """The Prefect artifact: the scores as a table, then links to the MLflow run and model
     (on a local store, the address `mlflow ui` serves it at once started)."""
     uri = summary["tracking_uri"]
-    server = uri.startswith(("http://", "https://"))
-    ui = uri.rstrip("/") if server else LOCAL_UI
     version = summary["registered"].rsplit("/", 1)[-1]
     links = [
-        f"- MLflow run: [{summary['run_id']}]({ui}/#/experiments/{experiment_id}/runs/"
-        f"{summary['run_id']}{TRAINING_VIEW})",
-        f"- Model: [{summary['registered']}]({ui}/#/models/{registered_model}/versions/{version}"
-        f"{TRAINING_VIEW}) (alias `@best`), file `{summary['model']}`",
-        f"- Hypotheses: `{summary['hypotheses']}`",
+        f"- MLflow run: [{summary['run_id']}]({run_url(uri, experiment_id, summary['run_id'])})",
+        f"- Model: [{summary['registered']}]({_ui(uri)}/#/models/{registered_model}/versions/"
+        f"{version}{TRAINING_VIEW}) (alias `@best`), file `{summary['model']}`",
+        *[f"- {label.capitalize()}: `{path}`" for label, path in summary["paths"].items()],
     ]
-    if not server:
+    if not _is_server(uri):
         links.append(f"- The links need `mlflow ui --backend-store-uri {uri}` running first")
-    return "\n".join(["# Results", "", *scores_table(summary["scores"]), "", *links])
+    notes = [*summary["notes"], ""] if summary["notes"] else []
+    return "\n".join(["# Results", "", *scores_table(summary["rows"]), "", *notes, *links])
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -151,45 +190,45 @@ def summary_lines(summary: dict) -> list[str]:
         )
         if key in test
     ]
-    lines = [
+    uri, url = summary["tracking_uri"], summary["run_url"]
+    local = not _is_server(uri)
+    return [
         f"test BLEU {test['bleu']:.2f}  lowercased {test['bleu_lc']:.2f}  chrF {test['chrf']:.2f}"
         + (f"  ({'; '.join(extra)})" if extra else ""),
         f"  {test['bleu_signature']}",
         f"MLflow run   {summary['run_id']}",
-    ]
-    if summary["run_url"]:
-        lines.append(f"  {summary['run_url']}")
-    return [
-        *lines,
+        *([f"  {url}"] if url and not local else []),
         f"model        {summary['model']}",
         f"registered   {summary['registered']} (alias @best: the highest validation BLEU)",
-        f"hypotheses   {summary['hypotheses']}",
-        f"browse runs  mlflow ui --backend-store-uri {summary['tracking_uri']}",
+        *[f"{label:<12} {path}" for label, path in summary["paths"].items()],
+        f"browse runs  mlflow ui --backend-store-uri {uri}",
+        *([f"  then open {url}"] if url and local else []),
     ]
 
 
 def run_url(uri: str, experiment_id: str | None, run_id: str) -> str | None:
-    """A link to the run where a tracking server is known (none for a local file store)."""
-    if not uri.startswith(("http://", "https://")) or experiment_id is None:
+    """A link to the run in MLflow's training view: on the tracking server, or for a local
+    store where `mlflow ui` serves it once started."""
+    if experiment_id is None:
         return None
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
+    return f"{_ui(uri)}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
 
 
-def _upload(client, run_id: str, records: dict[str, dict]) -> None:
-    """Small files every time (they say what this run used); the model, which can weigh
-    gigabytes, once per run."""
-    uploaded = {a.path for a in client.list_artifacts(run_id, "model")}
-    attention = Path(records["decode"]["path"]) / "attention"  # also on the decode child run
-    top = {a.path for a in client.list_artifacts(run_id)}
-    if attention.is_dir() and "attention" not in top:
-        client.log_artifacts(run_id, str(attention), "attention")
-    files = (
-        (Path(records["shards"]["path"]) / MANIFEST, "data"),
-        (Path(records["shards"]["path"]) / SPM_MODEL, "data"),
-        (Path(records["decode"]["path"]) / hypotheses("valid"), "hypotheses"),
-        (Path(records["decode"]["path"]) / hypotheses("test"), "hypotheses"),
-        (Path(records["average"]["path"]) / MODEL, "model"),
-    )
+def _ui(uri: str) -> str:
+    return uri.rstrip("/") if _is_server(uri) else LOCAL_UI
+
+
+def _is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def _upload(client, run_id: str, files: list[tuple[Path, str]]) -> None:
+    """What the stages show, each file or folder once: a rerun finds it uploaded (a model
+    can weigh gigabytes)."""
+    listed = {folder: {a.path for a in client.list_artifacts(run_id, folder)}
+              for folder in {folder for _, folder in files}}  # fmt: skip
     for path, folder in files:
-        if f"{folder}/{path.name}" not in uploaded:
+        if path.is_dir() and not listed[folder]:
+            client.log_artifacts(run_id, str(path), folder)
+        elif path.is_file() and f"{folder}/{path.name}" not in listed[folder]:
             client.log_artifact(run_id, str(path), folder)

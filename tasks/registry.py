@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+import warnings
 from pathlib import Path
 
 import mlflow
@@ -34,16 +35,22 @@ LOADER = "tasks.serving"
 REQUIREMENTS = ("torch", "sentencepiece", "pyarrow", "pydantic", "pyyaml", "numpy", "mlflow")
 
 
-def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str:
+def register(
+    run: dict, model_path: Path, scores: dict, fingerprint: str, lineage: dict[str, str]
+) -> str:
     """Log the model as a pyfunc of the pipeline run and register it (once per model: a
-    cached rerun finds its version); returns the version."""
+    cached rerun finds its version), tagged with its scores and `lineage` (what it was
+    trained on: the data, a distillation's teachers); returns the version."""
     client, name = client_for(run["uri"]), run["registered_model"]
     versions = client.search_model_versions(f"name = '{name}' and run_id = '{run['run_id']}'")
     for version in versions:
         if version.tags.get("model_fingerprint") == fingerprint:
             return version.version
     mlflow.set_tracking_uri(run["uri"])
-    with mlflow.start_run(run_id=run["run_id"]):
+    # MLflow's advice on logging (type hints on predict, an input example: two UserWarnings)
+    # is for models whose signature it infers; this one's is given, a list of sentences.
+    # log_model resets the filters to show each warning once, so they are caught, not shown.
+    with mlflow.start_run(run_id=run["run_id"]), warnings.catch_warnings(record=True):
         info = mlflow.pyfunc.log_model(
             name="translator",
             loader_module=LOADER,
@@ -61,6 +68,7 @@ def register(run: dict, model_path: Path, scores: dict, fingerprint: str) -> str
         "test_chrf": test["chrf"],
         "sacrebleu_signature": test["bleu_signature"],
         "model_fingerprint": fingerprint,
+        **lineage,
     }
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, str(value))

@@ -25,7 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed, State
 
 from tasks.settings import RunParams
-from tasks.stages import BY_NAME, Stage, StageRun, stage_key
+from tasks.stages import Stage, StageRun, named, stage_key
 from tasks.tracking import TrackingLost, log_metrics, numbers, redact, stage_run, store_errors
 from transformer.cli import USER_ERRORS, UserError
 from transformer.config import fingerprint
@@ -68,7 +68,7 @@ def run_stage(name: str, params: RunParams, run: dict, upstream: dict[str, dict]
     (params_file, work_dir, uri, run_id); `upstream`: the records of the stages this one
     reads (less those the params do not ask for). Returns this stage's record (Cached if
     reused), or a Failed state with a one-line message for a user error."""
-    stage, log = BY_NAME[name], get_run_logger()
+    stage, log = named(name), get_run_logger()
     try:
         inputs = {n: record["fingerprint"] for n, record in upstream.items()}
         key = stage_key(stage, params, inputs)  # reads the inputs from outside: may fail
@@ -109,6 +109,7 @@ def execute(
         r = StageRun(
             params=params,
             inputs={n: Path(record["path"]) for n, record in upstream.items()},
+            reports={n: record["report"] for n, record in upstream.items()},
             out=out,
             params_file=Path(run["params_file"]),
             tracking={**run, "stage_run_id": child},

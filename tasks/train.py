@@ -41,22 +41,22 @@ def trained(report: dict) -> dict:
     return {key: report[key] for key in ("step", "snapshots")}
 
 
-def launch_training(r) -> dict:
-    """Train (or resume) in `r.out` until the params' stopping point; return where it got.
-    `r`: a tasks.stages.StageRun."""
+def launch_training(r, shards: Path) -> dict:
+    """Train (or resume) in `r.out` on the `shards` folder until the params' stopping point;
+    return where it got. `r`: a tasks.stages.StageRun."""
     with system_metrics(r.tracking):
-        launch(r.params, r.params_file, r.inputs["shards"], r.out, r.tracking)
+        launch(r.params, r.params_file, shards, r.out, r.tracking)
     return {**describe_run(r.out), "request": training_request(r.params)}
 
 
-def train_cooldowns(r) -> dict:
-    """The further cooldowns `average.cooldowns` asks for, trained (or resumed) in
-    `r.out/cooldown-<i>`: each a branch of the train stage's run from its state at the
+def train_cooldowns(r, run: Path, shards: Path) -> dict:
+    """The further cooldowns `average.cooldowns` asks for, trained (or resumed) on `shards`
+    in `r.out/cooldown-<i>`: each a branch of the training `run` from its state at the
     cooldown's start, with train.seed + i; metrics in the stage's own MLflow run. Returns
     where each got, by folder name."""
     train = r.params.train
     start = cooldown_start(train.max_steps, train.cooldown)
-    state = checkpoint_path(r.inputs["train"], "state", start)
+    state = checkpoint_path(run, "state", start)
     if not state.is_file():  # a run trained before the state was kept, or extended after
         raise TrainingFailed(
             f"{state}: no training state at the cooldown's start (update {start}) to branch "
@@ -68,7 +68,7 @@ def train_cooldowns(r) -> dict:
     with system_metrics(r.tracking):
         for i, out in enumerate(branches, 1):
             branch = ["--init-from", str(state), f"train.seed={train.seed + i}"]
-            launch(r.params, r.params_file, r.inputs["shards"], out, tracking, extra=branch,
+            launch(r.params, r.params_file, shards, out, tracking, extra=branch,
                    label=f"{out.name}.")  # fmt: skip
     return {out.name: describe_run(out) for out in branches}
 

@@ -278,7 +278,7 @@ def test_every_deployment_of_prefect_yaml_runs_one_flow_at_a_time(tmp_path):
 
     specs = declared(ROOT / "prefect.yaml")
     served = deployments(specs, str(tmp_path), list(specs))
-    assert {d.name for d in served} == {"base", "big", "multi30k", "multi30k-enfr", "smoke"}
+    assert {"base", "big", "smoke"} <= {d.name for d in served}
     for deployment in served:
         assert deployment.concurrency_limit == 1
         strategy = deployment.concurrency_options.collision_strategy

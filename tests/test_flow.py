@@ -36,8 +36,9 @@ from prefect.exceptions import ObjectNotFound
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.wmt14_ende import wmt14_ende
+from tasks import stages
 from tasks.settings import load_run_params
-from tasks.stages import StageRun
+from tasks.stages import Shown, Stage, StageRun
 from tasks.train import TrainingFailed, train_cooldowns
 from transformer.config import loading
 from transformer.model_file import load_model_file
@@ -169,7 +170,7 @@ def test_the_run_records_metrics_tags_and_artifacts(first, work):
 
 def test_outputs_are_real(first):
     result, _ = first
-    hyps = Path(result["hypotheses"]).read_text().splitlines()
+    hyps = Path(result["paths"]["hypotheses"]).read_text().splitlines()
     assert result["step"] == 40
     assert len(hyps) == 300
     model = load_model_file(result["model"])
@@ -190,7 +191,7 @@ def test_the_model_is_registered_and_served_as_an_mlflow_pyfunc(first, work, tmp
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model("models:/wmt14-ende-smoke@best")
     sources = (ROOT / "data" / "smoke" / "test.en").read_text().splitlines()[:3]
-    expected = Path(result["hypotheses"]).read_text().splitlines()[:3]
+    expected = Path(result["paths"]["hypotheses"]).read_text().splitlines()[:3]
     assert model.predict(sources) == expected  # the same model, the same beam search
 
     # README's line as written, from a folder whose `work` is this work dir (the repository
@@ -250,6 +251,36 @@ def test_a_rerun_is_served_from_prefects_cache_and_resumes_the_run(first, work):
             break
         time.sleep(1)
     assert {getattr(names.get(s), "name", None) for s in STAGES} == {"Cached"}, names
+
+
+def test_a_new_stage_is_one_row_and_one_function(first, work, monkeypatch):
+    """A toy stage after decode: its row (what it reads, what the run shows of it) and its
+    function are all it takes; the flow runs it, reuses everything else, and the pipeline's
+    run shows its file and tag (docs/architecture.md's promise)."""
+
+    def lengths(r: StageRun) -> dict:
+        hyps = (r.inputs["decode"] / "test.hyp").read_text().splitlines()
+        mean = sum(len(h.split()) for h in hyps) / len(hyps)
+        r.out.mkdir(parents=True, exist_ok=True)
+        (r.out / "lengths.json").write_text(json.dumps({"mean": mean}))
+        return {"mean": mean}
+
+    shown = Shown(files=(("lengths.json", "lengths"),),
+                  tags=lambda report: {"test_mean_length": f"{report['mean']:.3f}"})  # fmt: skip
+    row = Stage("lengths", (), ("decode",), lengths, shown=shown)
+    monkeypatch.setattr(stages, "STAGES", (*stages.STAGES, row))
+    state = wmt14_ende(SMOKE, TINY_FLOW, str(work), return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    (folder,) = _folders(work / "lengths")
+    mean = json.loads((folder / "lengths.json").read_text())["mean"]
+    client = _client(work)
+    run = client.get_run(result["run_id"])
+    assert run.data.tags["test_mean_length"] == f"{mean:.3f}"
+    logged = {a.path for a in client.list_artifacts(run.info.run_id, "lengths")}
+    assert "lengths/lengths.json" in logged
+    children = [c.data.tags["stage"] for c in _children(client, result["run_id"])]
+    assert children.count("lengths") == 1 and children.count("train") == 1  # the rest reused
 
 
 def test_two_fresh_runs_are_bitwise_reproducible(first, fresh_flow):
@@ -312,11 +343,10 @@ def test_an_average_over_cooldowns_trains_them_from_the_runs_cooldown_start(firs
 
 def test_an_average_over_cooldowns_needs_the_state_where_they_begin(tmp_path):
     params = load_run_params(SMOKE, [*TINY_FLOW, "train.cooldown=0.5", "average.cooldowns=2"])
-    r = StageRun(params, {"train": tmp_path, "shards": tmp_path}, tmp_path / "out",
-                 Path(SMOKE), {}, "cpu")  # fmt: skip
+    r = StageRun(params, {}, {}, tmp_path / "out", Path(SMOKE), {}, "cpu")
     with pytest.raises(TrainingFailed, match=r"state-0000020\.pt: no training state at the "
                        r"cooldown's start \(update 20\)") as err:  # fmt: skip
-        train_cooldowns(r)
+        train_cooldowns(r, tmp_path, tmp_path)
     assert err.value.user_error
 
 

@@ -230,14 +230,14 @@ def test_a_job_at_its_time_limit_saves_and_the_rerun_resumes(cluster, tmp_path):
 
 
 def test_the_params_hash_and_the_stages_ignore_the_launcher():
-    from tasks.stages import BY_NAME, stage_key
+    from tasks.stages import named, stage_key
     from transformer.config import params_hash
 
     local = load_run_params(SMOKE)
     far = load_run_params(SMOKE, [*ON_SLURM, "pipeline.nnodes=2", "pipeline.slurm.partition=gpu"])
     assert params_hash(local) == params_hash(far)
     inputs = {"shards": "x"}
-    assert stage_key(BY_NAME["train"], local, inputs) == stage_key(BY_NAME["train"], far, inputs)
+    assert stage_key(named("train"), local, inputs) == stage_key(named("train"), far, inputs)
 
 
 GUIDE = ROOT / "docs" / "guides" / "many-nodes.md"

@@ -1,5 +1,6 @@
 """What a person watching a command sees: the library's log lines on stdout, a progress bar
-on a terminal (a line every tenth of the way elsewhere), durations in words."""
+on a terminal (elsewhere a line every tenth of the way, or every so many seconds),
+durations in words."""
 
 from __future__ import annotations
 
@@ -45,27 +46,47 @@ def setup_logging(is_main: bool, timestamps: bool = True) -> None:
     log.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
-class Progress:
-    """How far a long data stage is: a bar on a terminal; elsewhere (a pipeline's log, a
-    pipe) a line at every tenth of the way, so a slow machine shows progress, not a hang."""
+# How often a job that reports by time (decoding, validation: `every_s`) says how far it
+# is, about the training's pace of lines; a job done sooner says nothing.
+PROGRESS_EVERY_S = 30.0
 
-    def __init__(self, what: str, total: int, unit: str, log: logging.Logger):
+
+class Progress:
+    """How far a long job is: a bar on a terminal; elsewhere (a pipeline's log, a pipe) a
+    line at every tenth of the way, or every `every_s` seconds, so a slow machine shows
+    progress, not a hang: done/total, the rate, the time left. A total of 0 says nothing."""
+
+    def __init__(
+        self, what: str, total: int, unit: str, log: logging.Logger, every_s: float | None = None
+    ):
         self.what, self.total, self.unit, self.log = what, total, unit, log
         self.done, self.start = 0, time.monotonic()
-        self.next_tenth = 1
+        self.next_tenth, self.every_s, self.said = 1, every_s, self.start
         self.bar = tqdm(total=total, desc=what, unit=unit, file=sys.stderr,
-                        disable=not sys.stderr.isatty(), leave=False)  # fmt: skip
+                        disable=not sys.stderr.isatty() or not total, leave=False)  # fmt: skip
 
     def update(self, n: int) -> None:
         self.done += n
         self.bar.update(n)
-        if self.bar.disable and self.total and self.done * 10 >= self.next_tenth * self.total:
-            self.next_tenth = self.done * 10 // self.total + 1
-            elapsed = time.monotonic() - self.start
-            eta = elapsed / self.done * (self.total - self.done)
-            self.log.info("%s: %s/%s %s (%d%%), eta %s", self.what, f"{self.done:,}",
-                          f"{self.total:,}", self.unit, 100 * self.done // self.total,
-                          format_duration(eta))  # fmt: skip
+        if not self.bar.disable or not self.total:
+            return
+        now = time.monotonic()
+        if self.every_s is not None:
+            due = now - self.said >= self.every_s and self.done < self.total
+        else:
+            due = self.done * 10 >= self.next_tenth * self.total
+            self.next_tenth = max(self.next_tenth, self.done * 10 // self.total + 1)
+        if due:
+            self.said = now
+            self._line(now - self.start)
+
+    def _line(self, elapsed: float) -> None:
+        rate = self.done / max(elapsed, 1e-9)
+        eta = (self.total - self.done) / max(rate, 1e-9)
+        self.log.info("%s: %s/%s %s (%d%%), %s %s/s, eta %s", self.what, f"{self.done:,}",
+                      f"{self.total:,}", self.unit, 100 * self.done // self.total,
+                      f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}", self.unit,
+                      format_duration(eta))  # fmt: skip
 
     def close(self) -> None:
         self.bar.close()

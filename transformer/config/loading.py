@@ -163,7 +163,8 @@ def _describe(err: ValidationError, path: Path, overrides) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m transformer.config PARAMS [dotted.key=value ...]")
+        print("usage: python -m transformer.config PARAMS [dotted.key=value ...] [--check]\n"
+              "  --check  what a run of the params will do, or why it cannot finish")  # fmt: skip
         return 0 if argv else 2
     try:
         params = load_params(argv[0], argv[1:])

@@ -317,6 +317,53 @@ class ExportConfig(Section):
     quantization: Quantization | None = None  # CTranslate2 only; None: fp32, as trained
 
 
+class TeachersConfig(Section):
+    """The teachers of a distillation: seeds of one params file, each a pipeline run of its
+    own (train, cooldowns, average, decode), or model files. Operational: what a teacher is
+    reaches the student's stages through its model's fingerprint, not through these keys
+    (a params file moved, or a model file renamed, is the same teacher)."""
+
+    # A params file, relative to the one that names it (as `extends`); its runs are found
+    # in (or added to) the same work dir, so students of the same teachers share them.
+    params: str | None = operational(None)
+    seeds: list[int] = operational([])  # train.seed of each run of `params`
+    overrides: list[str] = operational([])  # dotted.key=value for every run of `params`
+    models: list[str] = operational([])  # exported model files (or models:/NAME@ALIAS)
+
+    @model_validator(mode="after")
+    def _which(self) -> TeachersConfig:
+        if (self.params is None) == (not self.models):
+            raise ValueError("params: give the teachers as params (with seeds) or as models, "
+                             "one of the two")  # fmt: skip
+        if self.params is not None and not self.seeds:
+            raise ValueError("seeds: a teacher a seed; none given")
+        if self.params is None and (self.seeds or self.overrides):
+            raise ValueError("seeds: seeds and overrides are for teachers given as params")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds: {self.seeds} repeats a seed (the same teacher twice)")
+        for seed in self.seeds:
+            if not 0 <= seed < SEEDS:
+                raise ValueError(f"seeds: {seed} is not in [0, {SEEDS})")
+        return self
+
+
+class DistillConfig(Section):
+    """Sequence-level knowledge distillation (Kim & Rush, 2016): the student trains on the
+    teachers' beam-search translations of the training split (transformer/decoding/
+    distill.py)."""
+
+    teachers: TeachersConfig
+    # The training side the teachers' translations replace: "target" (their translations of
+    # the sources, Kim & Rush's), or "source" (teachers of the reverse direction translate
+    # the targets back).
+    replace: Literal["target", "source"] = "target"
+    keep_originals: bool = False  # the original pairs beside the distilled ones
+    decode: DecodeConfig = DecodeConfig()  # the teachers' search (the ensemble's mean)
+    # Lines translated and saved together: a stop loses at most one part. Identity, not
+    # operational: a part's lines make its batches, and other batches may round otherwise.
+    part_pairs: int = Field(2000, ge=1)
+
+
 class Params(Section):
     data: DataConfig
     clean: CleanConfig = CleanConfig()
@@ -328,6 +375,7 @@ class Params(Section):
     decode: DecodeConfig = DecodeConfig()
     score: ScoreConfig = ScoreConfig()
     export: ExportConfig = ExportConfig()
+    distill: DistillConfig | None = added(None)  # None: trained on the corpus itself
 
     @model_validator(mode="after")
     def _consistent(self) -> Params:

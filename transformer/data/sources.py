@@ -423,15 +423,16 @@ def _is_file(path: Path) -> bool:
 
 
 def _local_files(cfg: DataConfig) -> list[Path]:
+    return [path for role in ROLES for path in split_files(cfg, getattr(cfg.splits, role))]
+
+
+def split_files(cfg: DataConfig, split: str) -> list[Path]:
+    """The local files of one split: the source side's and the target side's text files, or
+    its one parquet/jsonl file; a DataError names the first that is missing."""
     root = _local_root(cfg.source)
-    files = []
-    for role in ROLES:
-        split = getattr(cfg.splits, role)
-        if cfg.source.format == "text":
-            files += [_text_file(root, split, cfg.src_lang), _text_file(root, split, cfg.tgt_lang)]
-        else:
-            files.append(_required(root / f"{split}.{cfg.source.format}"))
-    return files
+    if cfg.source.format == "text":
+        return [_text_file(root, split, cfg.src_lang), _text_file(root, split, cfg.tgt_lang)]
+    return [_required(root / f"{split}.{cfg.source.format}")]
 
 
 def _split_name(cfg: DataConfig, split: str) -> str:

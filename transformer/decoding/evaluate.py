@@ -126,23 +126,37 @@ def decode_and_score(
     them against the raw references; write `{role}.hyp`, scores.json and the attention maps
     of the first test sentences (attention/sentence-N/) atomically."""
     from transformer.decoding.attention_maps import draw_sentence
-    from transformer.decoding.translate import load_translator, translate_lines
+    from transformer.decoding.translate import load_translator
 
     model, sp, _ = load_translator(model_path, device)
-    scores = {}
     with atomic_dir(out_dir) as tmp:
-        for role in ("valid", "test"):
-            refs_tok = tokenized_refs(score_cfg, data, role)  # missing: fail before decoding
-            table = pq.read_table(Path(cleaned) / f"{role}.parquet")
-            sources, refs = table["src"].to_pylist(), table["tgt"].to_pylist()
-            hyps = translate_lines(model, sp, sources, decode_cfg, device)
-            (tmp / hypotheses(role)).write_text("".join(h + "\n" for h in hyps), "utf-8")
-            scores[role] = score_split(hyps, refs, score_cfg, data.tgt_lang, refs_tok)
+        scores, (sources, hyps) = translate_and_score(model, sp, cleaned, data, decode_cfg,
+                                                      score_cfg, tmp, device)  # fmt: skip
         shown = [i for i, line in enumerate(sources) if line.strip()][:ATTENTION_SENTENCES]
         for i in shown:  # the test split's first sentences: the same ones run after run
             draw_sentence(model, sp, sources[i], hyps[i], tmp / "attention" / f"sentence-{i + 1}")
         (tmp / SCORES).write_text(json.dumps(scores, indent=2))
     return scores
+
+
+def translate_and_score(
+    model, sp, cleaned: Path, data: DataConfig, decode_cfg: DecodeConfig,
+    score_cfg: ScoreConfig, out_dir: Path, device: str,
+) -> tuple[dict, tuple[list[str], list[str]]]:  # fmt: skip
+    """Translate the valid and test splits of the cleaned corpus with a model or an
+    ensemble (a list) and write `{role}.hyp` into `out_dir`; return the scores by split,
+    and the test split's sources and hypotheses."""
+    from transformer.decoding.translate import translate_lines
+
+    scores = {}
+    for role in ("valid", "test"):
+        refs_tok = tokenized_refs(score_cfg, data, role)  # missing: fail before decoding
+        table = pq.read_table(Path(cleaned) / f"{role}.parquet")
+        sources, refs = table["src"].to_pylist(), table["tgt"].to_pylist()
+        hyps = translate_lines(model, sp, sources, decode_cfg, device, f"decoding {role}")
+        (out_dir / hypotheses(role)).write_text("".join(h + "\n" for h in hyps), "utf-8")
+        scores[role] = score_split(hyps, refs, score_cfg, data.tgt_lang, refs_tok)
+    return scores, (sources, hyps)
 
 
 def read_lines(path: str | os.PathLike) -> list[str]:

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from transformer.cli import ArgumentParser, existing_file
 from transformer.config import DecodeConfig, Params
+from transformer.console import PROGRESS_EVERY_S, Progress
 from transformer.data.vocab import Lowercasing, VocabError, load_spm
 from transformer.decoding.search import Hypothesis, beam_search
 from transformer.files import atomic_file, check_output
@@ -102,19 +103,21 @@ def translate_lines(
     lines: list[str],
     decode_cfg: DecodeConfig,
     device: str | torch.device,
-    progress: bool = False,
+    progress: str | None = None,
 ) -> list[str]:
     """Translate raw sentences with a model or an ensemble (a list of models); the output
-    is in the input's order, empty lines stay empty.
+    is in the input's order, empty lines stay empty. `progress`: what to call the job in
+    progress lines (console.Progress, every PROGRESS_EVERY_S seconds); None: silent.
 
     beam_size 1 is greedy search (no length penalty: one hypothesis has nothing to compare).
     """
     out, todo = [""] * len(lines), sum(1 for line in lines if line.strip())
-    with tqdm(total=todo, unit="sent", file=sys.stderr, disable=not progress) as bar:
-        for rows, hyps in translate_batches(model, sp, lines, decode_cfg, device):
-            for i, found in zip(rows, hyps, strict=True):
-                out[i] = sp.decode(found[0].tokens) if found else ""
-            bar.update(len(rows))
+    meter = Progress(progress or "", todo if progress else 0, "sentences", log, PROGRESS_EVERY_S)
+    for rows, hyps in translate_batches(model, sp, lines, decode_cfg, device):
+        for i, found in zip(rows, hyps, strict=True):
+            out[i] = sp.decode(found[0].tokens) if found else ""
+        meter.update(len(rows))
+    meter.close()
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from transformer.config import Params
+from transformer.console import PROGRESS_EVERY_S, Progress
 from transformer.data.dataset import ShardDataset
 from transformer.data.loader import BatchLoader
 from transformer.data.sampler import TokenBatchSampler
@@ -45,8 +46,10 @@ def validate(
     try:
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # nll, tokens
         counted = 0  # target tokens, on the host: a tensor made of it each batch is a sync
+        batches = valid_batches(valid, params, env)
+        meter = progress("validation loss", batches, env)
         with torch.no_grad():
-            for batch in valid_batches(valid, params, env):
+            for batch in batches:
                 batch = batch.to(env.device)
                 with autocast:
                     hidden = model(batch.src, batch.tgt_in, project=False)  # (B, T, D)
@@ -55,6 +58,8 @@ def validate(
                 _, nll = label_smoothed_loss(rows, model.out_proj.weight, targets, 0.0)
                 sums[0] += nll.double()
                 counted += batch.n_tgt_tokens
+                meter.update(len(batch))
+        meter.close()
         sums[1].fill_(counted)
         nll_sum, n_tokens = all_reduce_sum(sums).tolist()
         loss = nll_sum / n_tokens
@@ -78,6 +83,13 @@ def valid_batches(valid: ShardDataset, params: Params, env: DistEnv) -> BatchLoa
     return BatchLoader(valid, sampler, epoch=0)
 
 
+def progress(what: str, batches: BatchLoader, env: DistEnv) -> Progress:
+    """Rank 0's progress through its share of the valid split: a line every
+    PROGRESS_EVERY_S seconds (none for a quicker pass); silent on the other ranks."""
+    total = sum(map(len, batches.sampler.epoch_batches(0))) if env.is_main else 0
+    return Progress(what, total, "sentences", log, PROGRESS_EVERY_S)
+
+
 def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env: DistEnv) -> float:
     """Decode this rank's share (greedy, or beam train.valid_beam), gather, score on rank 0
     and send the score to every rank: each rank's early stopping and checkpoint choice read
@@ -89,7 +101,9 @@ def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env:
     d, beam = params.decode, params.train.valid_beam
     max_len = positions([model]) - 1  # as translate: BOS, then at most this many tokens
     pairs, arena = [], Arena()  # one batch's cache memory, the next batch's
-    for batch in valid_batches(valid, params, env):
+    batches = valid_batches(valid, params, env)
+    meter = progress("validation decoding", batches, env)
+    for batch in batches:
         src = batch.src.to(env.device)
         if beam == 1:
             hyps = greedy_search(model, src, d.max_len_a, d.max_len_b, max_len, arena=arena)
@@ -101,6 +115,8 @@ def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env:
             hyps = [h[0].tokens if h else [] for h in found]
         refs = [[i for i in row if i not in (PAD, EOS)] for row in batch.tgt_out.tolist()]
         pairs += zip(batch.ids.tolist(), sp.decode(hyps), sp.decode(refs), strict=True)
+        meter.update(len(batch))
+    meter.close()
     return shared_bleu(pairs, env)
 
 

@@ -1,0 +1,258 @@
+"""Sequence-level distillation as stages: the library function on random models, then
+teachers -> distill -> student through the real flow on a corpus cut from the smoke data
+(real Prefect, MLflow, torchrun), a second student over the same teachers, and a kill inside
+the distill stage with its rerun, byte for byte."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import wait_for
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.testing.utilities import prefect_test_harness
+from test_translate import write_model_file
+
+from flows.wmt14_ende import wmt14_ende
+from transformer.config import DataConfig, DistillConfig, ScoreConfig, load_params
+from transformer.data import DataError
+from transformer.decoding.distill import distill_corpus
+from transformer.decoding.translate import load_ensemble, translate_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(1800)]
+
+
+# --------------------------------------------------------------------------- the library
+
+
+@pytest.fixture(scope="module")
+def cleaned(tmp_path_factory) -> Path:
+    """A cleaned corpus of test_translate's words, 7 training pairs, 3 valid, 2 test."""
+    folder = tmp_path_factory.mktemp("cleaned")
+    train = ["the cat sat", "a house", "the mat is small", "das haus", "", "a cat", "the cat sat"]
+    splits = {"train": train, "valid": ["the cat", "a mat", "das"], "test": ["a small cat", "x"]}
+    for role, src in splits.items():
+        table = pa.table({"src": src, "tgt": [s.upper() for s in src]})
+        pq.write_table(table, folder / f"{role}.parquet")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("teachers")
+    return [write_model_file(folder / f"t{seed}.pt", seed) for seed in (1, 2)]
+
+
+DATA = DataConfig(source={"path": "unused"}, src_lang="en", tgt_lang="de")
+TINY_SEARCH = {"beam_size": 2, "max_len_b": 6}
+
+
+def distill_cfg(**keys) -> DistillConfig:
+    keys = {"part_pairs": 3, "decode": TINY_SEARCH} | keys
+    return DistillConfig(teachers={"models": ["t1.pt"]}, **keys)
+
+
+def test_the_training_targets_are_the_ensembles_beam_translations(cleaned, teachers, tmp_path):
+    cfg = distill_cfg()
+    report = distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, "cpu")
+    models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
+    sources = pq.read_table(cleaned / "train.parquet")["src"].to_pylist()
+    made = translate_lines(models, sp, sources, cfg.decode, "cpu")
+    want = [(s, t) for s, t in zip(sources, made, strict=True) if t]  # empty ones dropped
+    got = pq.read_table(tmp_path / "train.parquet")
+    assert list(zip(got["src"].to_pylist(), got["tgt"].to_pylist(), strict=True)) == want
+    assert report["pairs"] == report["distilled"] == len(want)
+    assert report["dropped_empty"] == len(sources) - len(want) >= 1  # the empty line
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == [
+        "00000.parquet", "00001.parquet", "00002.parquet"
+    ]  # fmt: skip
+    for role in ("valid", "test"):  # untouched: the student is scored on the real references
+        assert (tmp_path / f"{role}.parquet").read_bytes() == (
+            cleaned / f"{role}.parquet"
+        ).read_bytes()
+        assert (tmp_path / f"{role}.hyp").is_file()
+    assert set(report["scores"]) == {"valid", "test"} and "bleu" in report["scores"]["valid"]
+
+
+def test_a_stopped_distillation_resumes_at_its_first_missing_part(cleaned, teachers, tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), whole, "cpu")
+    (resumed / "parts").mkdir(parents=True)
+    shutil.copy(whole / "parts" / "00000.parquet", resumed / "parts")
+    (resumed / "parts" / ".00001.parquet.0123.tmp").write_bytes(b"half a part")
+    # A part found is read back, not translated again: a wrong one shows in the corpus.
+    distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), resumed, "cpu")
+    assert (resumed / "train.parquet").read_bytes() == (whole / "train.parquet").read_bytes()
+    assert not list((resumed / "parts").glob(".*"))
+
+
+def test_the_originals_can_stay_beside_the_distilled_pairs(cleaned, teachers, tmp_path):
+    cfg = distill_cfg(keep_originals=True)
+    report = distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, "cpu")
+    got = pq.read_table(tmp_path / "train.parquet")
+    original = pq.read_table(cleaned / "train.parquet")
+    assert got.slice(0, original.num_rows).to_pylist() == original.to_pylist()
+    assert report["originals"] == original.num_rows
+    assert report["pairs"] == original.num_rows + report["distilled"]
+
+
+def test_the_source_side_needs_teachers_of_the_reverse_direction(cleaned, teachers, tmp_path):
+    cfg = distill_cfg(replace="source")
+    with pytest.raises(DataError, match=r"t1\.pt: translates en->de; .*teachers of de->en"):
+        distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, "cpu")
+    assert not (tmp_path / "train.parquet").exists()
+
+
+# --------------------------------------------------------------------------- the flow
+
+STEPS = """\
+    train:
+      max_steps: 20
+      warmup_steps: 10
+      save_every: 10
+      valid_every: 20
+      valid_bleu: false
+      log_every: 10
+      keep_last: 2
+    average: {last_n: 2}
+    decode: {beam_size: 2, max_len_b: 10}
+    export: {formats: []}
+"""
+
+
+@pytest.fixture(scope="module")
+def params(tmp_path_factory) -> dict[str, Path]:
+    """The teachers' params (the smoke recipe, 20 updates, on 600 of its pairs), a student
+    distilled from two seeds of them, and a second student of another size."""
+    folder = tmp_path_factory.mktemp("distill_params")
+    corpus = folder / "corpus"
+    corpus.mkdir()
+    for role, n in (("train", 600), ("valid", 20), ("test", 20)):
+        for lang in ("en", "de"):
+            lines = (ROOT / "data" / "smoke" / f"{role}.{lang}").read_text().splitlines()[:n]
+            (corpus / f"{role}.{lang}").write_text("\n".join(lines) + "\n")
+    files = {
+        "teacher": f"extends: {ROOT / 'params' / 'smoke.yaml'}\n"
+        f"data: {{source: {{path: {corpus}}}}}\nvocab: {{size: 300}}\n" + textwrap.dedent(STEPS),
+        "student": "extends: teacher.yaml\ndistill:\n  teachers: {params: teacher.yaml, "
+        "seeds: [1, 2]}\n  part_pairs: 200\n  decode: {beam_size: 2, max_len_b: 10}\n",
+        "student2": "extends: student.yaml\nmodel: {d_ff: 256}\n",
+    }
+    for name, text in files.items():
+        (folder / f"{name}.yaml").write_text(text)
+    return {name: folder / f"{name}.yaml" for name in files}
+
+
+@pytest.fixture(scope="module")
+def flows(params, tmp_path_factory):
+    """Both students in one work dir, in this process (a Prefect test server), in order."""
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ.pop("MLFLOW_EXPERIMENT_NAME", None)
+    work = tmp_path_factory.mktemp("distill_work")
+    results = {}
+    with prefect_test_harness(server_startup_timeout=120):
+        for name in ("student", "student2"):
+            state = wmt14_ende(str(params[name]), [], str(work), return_state=True)
+            assert state.is_completed(), state
+            results[name] = state.result()
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["wmt14-ende-results"]))
+            )
+        results["artifacts"] = [a.data for a in artifacts]
+    return work, results
+
+
+def _folders(work: Path, stage: str) -> list[Path]:
+    return sorted(p for p in (work / stage).iterdir() if not p.name.startswith("."))
+
+
+def test_teachers_distill_and_student_run_as_stages(flows, params):
+    work, results = flows
+    result = results["student"]
+    assert set(result["rows"]) == {"teacher-1", "teacher-2", "ensemble", "model"}
+    # Three trainings for the first student (two teachers, itself), one more for the second;
+    # one distilled corpus, made once; one vocabulary, the teachers' (the corpus's).
+    assert len(_folders(work, "train")) == 4
+    assert len(_folders(work, "distill")) == len(_folders(work, "teachers")) == 1
+    assert len(_folders(work, "vocab")) == 1
+    (distilled,) = _folders(work, "distill")
+    corpus = pq.read_table(distilled / "train.parquet")
+    cleaned = pq.read_table(_folders(work, "clean")[0] / "train.parquet")
+    assert corpus["src"].to_pylist() == cleaned["src"].to_pylist()[: corpus.num_rows]
+    # The targets are the teachers' ensemble's translations: check a few against it.
+    ensemble, sp, _ = load_ensemble([t["model"] for t in _teacher_runs(work)], "cpu")
+    cfg = load_params(params["student"]).distill.decode
+    some = corpus["src"].to_pylist()[:5]
+    assert translate_lines(ensemble, sp, some, cfg, "cpu") == corpus["tgt"].to_pylist()[:5]
+
+
+def _teacher_runs(work: Path) -> list[dict]:
+    import json
+
+    (folder,) = _folders(work, "teachers")
+    return [
+        {**t, "model": str(work / t["model"])}
+        for t in json.loads((folder / "stage.json").read_text())["report"]["teachers"]
+    ]
+
+
+def test_the_student_run_names_its_teachers(flows):
+    work, results = flows
+    result = results["student"]
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    run = client.get_run(result["run_id"])
+    teachers = _teacher_runs(work)
+    assert run.data.tags["distill.teacher_runs"] == ", ".join(t["run_id"] for t in teachers)
+    for t in teachers:
+        teacher = client.get_run(t["run_id"])  # a pipeline run of its own, finished
+        assert teacher.info.status == "FINISHED"
+        assert t["registered"] in run.data.tags["distill.teacher_models"]
+        assert t["run_id"] in run.data.tags["mlflow.note.content"]
+    assert "| ensemble | test |" in run.data.tags["mlflow.note.content"]
+    assert {"ensemble/dev/bleu", "teacher-1/test/bleu", "dev/bleu"} <= set(run.data.metrics)
+    name, version = result["registered"].removeprefix("models:/").split("/")
+    tags = client.get_model_version(name, version).tags
+    assert tags["distill.teacher_runs"] == run.data.tags["distill.teacher_runs"]
+    table = next(a for a in results["artifacts"] if result["run_id"] in a)
+    for row in ("| teacher-1 | test |", "| teacher-2 | test |", "| ensemble | test |",
+                "| model | test |"):  # fmt: skip
+        assert row in table
+
+
+@pytest.mark.slow
+def test_a_kill_inside_distill_and_its_rerun_make_the_same_corpus(flows, params, tmp_path):
+    """SIGKILL to the flow's process group while the distill stage writes its parts; the
+    rerun resumes and writes the corpus byte for byte as the unbroken run did."""
+    work, _ = flows
+    copy = tmp_path / "work"
+    shutil.copytree(work, copy)
+    (done,) = _folders(copy, "distill")
+    shutil.rmtree(done)
+    cmd = [sys.executable, "-m", "flows.wmt14_ende", str(params["student"]), "--work-dir",
+           str(copy)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    part = copy / "distill" / done.name / "parts" / "00000.parquet"
+    wait_for(part.is_file, 600, proc, "the first distilled part")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (copy / "distill" / done.name / "stage.json").exists()
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    for name in ("train.parquet", "valid.hyp", "test.hyp"):
+        assert (copy / "distill" / done.name / name).read_bytes() == (done / name).read_bytes()

@@ -1,0 +1,143 @@
+"""Sequence-level knowledge distillation (Kim & Rush, 2016): the distill stage's library
+function. The training split of a cleaned corpus, translated by an ensemble of teachers with
+beam search, becomes a corpus in the clean stage's schema (`{train,valid,test}.parquet`,
+string columns src and tgt) on which a student trains as on any other: its training
+targets are the teachers' translations (or, translating the targets back, its sources),
+its valid and test splits the cleaned ones, untouched, so the student is scored against
+the real references.
+
+The training split is translated in parts of `distill.part_pairs` pairs, each written whole under
+`parts/`: a stopped stage resumes at the first part it lacks, and since a part's batches
+depend on its own lines only, the corpus a resumed run writes is, byte for byte, the one an
+unbroken run writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from transformer.config import DataConfig, DistillConfig, ScoreConfig
+from transformer.console import Progress
+from transformer.data import ROLES, DataError
+from transformer.data.sources import SCHEMA
+from transformer.decoding.evaluate import translate_and_score
+from transformer.decoding.translate import load_ensemble, translate_lines
+from transformer.files import atomic_file, atomic_write
+
+log = logging.getLogger(__name__)
+
+PARTS = "parts"
+
+
+def distill_corpus(
+    cleaned: Path,
+    teachers: list[Path],
+    cfg: DistillConfig,
+    data: DataConfig,
+    score_cfg: ScoreConfig,
+    out: Path,
+    device: str,
+) -> dict:
+    """Write the distilled corpus into `out` (train, valid and test parquet files, the
+    ensemble's hypotheses and scores on valid and test); return the report: the pairs
+    written and where they came from, and the ensemble's scores by split."""
+    cleaned, out = Path(cleaned), Path(out)
+    models, sp, teacher_params = load_ensemble([str(t) for t in teachers], device)
+    _check_direction(teachers[0], teacher_params.data, data, cfg.replace)
+    train = pq.read_table(cleaned / "train.parquet")
+    side = "src" if cfg.replace == "target" else "tgt"  # what the teachers translate
+    made = _translate_parts(models, sp, train[side].to_pylist(), cfg, out / PARTS, device)
+    report = {"teachers": [str(t) for t in teachers], "replace": cfg.replace}
+    report |= _write_train(train, made, cfg, out / "train.parquet")
+    for role in ROLES[1:]:  # valid, test: the cleaned splits, scored against their references
+        _copy(cleaned / f"{role}.parquet", out / f"{role}.parquet")
+    report["scores"], _ = translate_and_score(models, sp, cleaned, data, cfg.decode, score_cfg,
+                                              out, device)  # fmt: skip
+    log.info("distilled %d pairs; the ensemble of %d: valid BLEU %.2f, test BLEU %.2f",
+             report["pairs"], len(teachers), report["scores"]["valid"]["bleu"],
+             report["scores"]["test"]["bleu"])  # fmt: skip
+    return report
+
+
+def _check_direction(teacher: Path, theirs: DataConfig, ours: DataConfig, replace: str) -> None:
+    """Teachers translate the side they replace: source to target for `target`, target to
+    source (back-translation) for `source`."""
+    want = (ours.src_lang, ours.tgt_lang) if replace == "target" else (ours.tgt_lang, ours.src_lang)
+    if (theirs.src_lang, theirs.tgt_lang) != want:
+        raise DataError(
+            f"{teacher}: translates {theirs.src_lang}->{theirs.tgt_lang}; distill.replace "
+            f"{replace} needs teachers of {want[0]}->{want[1]}"
+        )
+
+
+def _translate_parts(models, sp, lines: list[str], cfg: DistillConfig, parts: Path, device) -> list:
+    """The teachers' translation of every line, part by part; parts already written (by a
+    run that was stopped) are read back, not translated again."""
+    parts.mkdir(parents=True, exist_ok=True)
+    for leftover in parts.glob(".*.tmp"):  # a part a stopped run was writing
+        leftover.unlink()
+    progress = Progress("distilling", len(lines), "sentences", log)
+    made: list[str] = []
+    size = cfg.part_pairs
+    for start in range(0, len(lines), size):
+        chunk = lines[start : start + size]
+        path = parts / f"{start // size:05d}.parquet"
+        if not path.is_file():
+            hyps = translate_lines(models, sp, chunk, cfg.decode, device)
+            table = pa.table({"hyp": pa.array(hyps, pa.string())})
+            atomic_write(path, lambda f, table=table: pq.write_table(table, f))
+        made += _read_part(path, len(chunk))
+        progress.update(len(chunk))
+    progress.close()
+    return made
+
+
+def _read_part(path: Path, rows: int) -> list[str]:
+    try:
+        hyps = pq.read_table(path)["hyp"].to_pylist()
+    except (pa.ArrowException, OSError, KeyError) as err:
+        raise DataError(f"{path}: not a part this stage wrote ({err}): delete it") from None
+    if len(hyps) != rows:
+        raise DataError(f"{path}: {len(hyps)} translations for {rows} lines: delete it")
+    return hyps
+
+
+def _write_train(train: pa.Table, made: list[str], cfg: DistillConfig, dest: Path) -> dict:
+    """The distilled training pairs (those whose translation is not empty), after the
+    original pairs if the params keep them; a distilled pair equal to its original is
+    written once."""
+    hyps = pa.array(made, pa.string())
+    src, tgt = (train["src"], hyps) if cfg.replace == "target" else (hyps, train["tgt"])
+    distilled = pa.table({"src": src, "tgt": tgt}, schema=SCHEMA)
+    keep = pc.not_equal(pc.utf8_length(hyps), 0)
+    empty = len(made) - pc.sum(keep).as_py()
+    same = 0
+    if cfg.keep_originals:
+        changed = pc.invert(pc.equal(hyps, train["tgt" if cfg.replace == "target" else "src"]))
+        same = pc.sum(pc.and_(keep, pc.invert(changed))).as_py()
+        keep = pc.and_(keep, changed)
+    distilled = distilled.filter(keep)
+    originals = [train.select(["src", "tgt"]).cast(SCHEMA)] if cfg.keep_originals else []
+    corpus = pa.concat_tables([*originals, distilled])
+    if corpus.num_rows == 0:
+        raise DataError(f"{dest}: the teachers translated every training line to nothing")
+    with atomic_file(dest) as f:
+        pq.write_table(corpus, f)
+    return {
+        "pairs": corpus.num_rows,
+        "distilled": distilled.num_rows,
+        "originals": train.num_rows if cfg.keep_originals else 0,
+        "dropped_empty": empty,
+        "same_as_original": same,
+    }
+
+
+def _copy(source: Path, dest: Path) -> None:
+    with open(source, "rb") as src, atomic_file(dest) as f:
+        shutil.copyfileobj(src, f)
