@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
@@ -58,18 +58,40 @@ def local_api() -> Iterator[str]:
 def check_api(url: str) -> None:
     """That the Prefect API at `url` (PREFECT_API_URL) answers: else the flow would retry it
     for minutes and end in a traceback. LocalApiError names the URL, credentials redacted."""
+    reason = _unhealthy(url, timeout=10)
+    if reason:
+        raise LocalApiError(
+            f"PREFECT_API_URL {redact(url)}: no Prefect API answers ({reason}): start the "
+            "server (prefect server start), or unset PREFECT_API_URL for a temporary one"
+        )
+
+
+def wait_for_api(url: str, seconds: float, say: Callable[[str], object]) -> None:
+    """Wait up to `seconds` for the Prefect API at `url` to answer, as a server started
+    moments ago does once it is up; `say(why)` once, at the first miss. LocalApiError, one
+    line naming the URL (redacted), if it never does or the URL cannot be one."""
+    deadline = time.monotonic() + seconds
+    said = False
+    while reason := _unhealthy(url, timeout=min(10.0, max(deadline - time.monotonic(), 1.0))):
+        if reason.startswith("ValueError") or time.monotonic() >= deadline:
+            waited = "" if reason.startswith("ValueError") else f" within {seconds:g} s"
+            raise LocalApiError(
+                f"PREFECT_API_URL {redact(url)}: no Prefect API answers{waited} ({reason}): "
+                "start the server (prefect server start), or fix PREFECT_API_URL"
+            )
+        if not said:
+            say(reason)
+            said = True
+        time.sleep(1)
+
+
+def _unhealthy(url: str, timeout: float) -> str | None:
+    """Why the API at `url` does not answer its health check, or None if it does."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10) as r:
-            if r.status == 200:
-                return
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as r:
+            return None if r.status == 200 else f"HTTP {r.status}"
     except (OSError, ValueError) as err:
-        reason = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-    else:
-        reason = f"HTTP {r.status}"
-    raise LocalApiError(
-        f"PREFECT_API_URL {redact(url)}: no Prefect API answers ({reason}): start the server "
-        "(prefect server start), or unset PREFECT_API_URL for a temporary one"
-    )
+        return redact(f"{type(err).__name__}: {getattr(err, 'reason', err)}")
 
 
 def _wait_healthy(server: subprocess.Popen, url: str) -> None:

@@ -30,9 +30,10 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "transformer")
 
 import logging
 
-from prefect import flow, task
+from prefect import flow, get_client, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
+from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from flows.local_api import LocalApiError, check_api, local_api
@@ -41,13 +42,13 @@ from tasks import stages
 from tasks.distill import check_teachers
 from tasks.publish import publish, summary_lines
 from tasks.runner import ONE_LINE, SERVER_LOST, reading, run_stage, user_failure
-from tasks.settings import RunParams, experiment_name, load_run_params, tracking_uri
+from tasks.settings import Overrides, RunParams, experiment_name, load_run_params, tracking_uri
 from tasks.tracking import (
     check_store,
     client_for,
-    credentials_to_env,
     experiment_id,
     finish_run,
+    holds_credential,
     mark_failed,
     open_parent_run,
     redact,
@@ -93,7 +94,7 @@ def open_run(params: RunParams, key: str, stem: str, work_dir: str):
 @flow(name="wmt14-ende", log_prints=True, persist_result=False)
 def wmt14_ende(
     params: str = "params/smoke.yaml",
-    overrides: list[str] | None = None,
+    overrides: Overrides | None = None,
     work_dir: str = "work",
     refresh: bool = False,
 ):
@@ -101,6 +102,7 @@ def wmt14_ende(
     retraining); otherwise finished stages are reused, and a killed training resumes."""
     STOP.take_over()  # the command line's stop, not Prefect's: flows/stop.py
     redact_logs()
+    forget_credentials(list(overrides or []))
     try:
         # Read and validated here, once: every task gets the tree, none reads the file.
         resolved = load_run_params(params, list(overrides or []))
@@ -153,6 +155,18 @@ def run_stages(params: RunParams, key: str, params_file: Path, work: Path, refre
     return summary
 
 
+def forget_credentials(overrides: list[str]) -> None:
+    """A run created past its deployment's parameter schema (through the API, or by calling
+    this flow from Python) may hold a credential in its overrides. The flow refuses them
+    (load_run_params) after it replaces each such override in the run's stored parameters
+    with ***, so that Prefect keeps none."""
+    if not any(holds_credential(o) for o in overrides):
+        return
+    kept = ["***" if holds_credential(o) else o for o in overrides]
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run.id, parameters={**flow_run.parameters, "overrides": kept})
+
+
 def run_pipelines(stage, params: RunParams, params_file: Path, work: Path) -> dict | State:
     """The pipeline runs the stage reads (`Stage.runs`: a distillation's teachers), each a
     subflow that reuses what it finds done, as inputs by label; a Failed state if one
@@ -176,11 +190,6 @@ def pipeline_record(summary: dict) -> dict:
         "fingerprint": summary["model_fingerprint"],
         "report": summary,
     }
-
-
-def _without_credentials(override: str) -> str:
-    key, _, value = override.partition("=")
-    return f"{key}={credentials_to_env(value)}" if key == "pipeline.tracking_uri" else override
 
 
 def waiting(lock: Path) -> Callable[[], None]:
@@ -222,12 +231,9 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {redact(str(err))}".replace("\n", "; "), file=sys.stderr)
         return 2
     print("\n".join(plan), flush=True)
-    # A credential given in an override goes to the environment, not into the flow's
-    # parameters (which Prefect stores and shows).
-    overrides = [_without_credentials(o) for o in args.overrides]
-    try:
+    try:  # (an override that holds a credential was refused above, before the run exists)
         with local_api() if not server else contextlib.nullcontext():
-            state = wmt14_ende(args.params, overrides, args.work_dir, args.refresh,
+            state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,
                                return_state=True)  # fmt: skip
     except LocalApiError as err:  # the environment, not the params: exit 1, one line
         print(f"error: Prefect's local API did not start: {err} (or set PREFECT_API_URL to "

@@ -4,11 +4,18 @@ tagged with its scores; the alias `best` follows the version of highest validati
 (picked on the valid split, as the checkpoints are: the test split only reports).
 
     mlflow.pyfunc.load_model("models:/wmt14-ende-base@best")
+
+A work dir's own store (`mlflow.db`) keeps absolute artifact locations, as MLflow does: in
+a moved or copied work dir they name the old place. The flow rewrites them when it opens
+the store; to load or serve a model from a moved work dir without running a flow there:
+
+    python -m tasks.registry /new/place/of/work      # rewrites them, prints the models
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 import warnings
 from pathlib import Path
 
@@ -16,11 +23,14 @@ import mlflow
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
-import transformer
-from tasks.tracking import client_for
+from tasks.tracking import TrackingError, client_for, relocate_artifacts, store_errors
+from transformer.cli import USER_ERRORS, ArgumentParser
+from transformer.files import locked
 
 BEST = "best"
-SERVING = Path(__file__).with_name("serving.py")  # the pyfunc's code
+# The pyfunc's code: imported from the installed project at load, never a copy in the
+# artifact (tasks/serving.py).
+LOADER = "tasks.serving"
 # What the pyfunc imports, at the versions this run used.
 REQUIREMENTS = ("torch", "sentencepiece", "pyarrow", "pydantic", "pyyaml", "numpy", "mlflow")
 
@@ -43,9 +53,8 @@ def register(
     with mlflow.start_run(run_id=run["run_id"]), warnings.catch_warnings(record=True):
         info = mlflow.pyfunc.log_model(
             name="translator",
-            python_model=str(SERVING),
-            artifacts={"model": str(model_path)},
-            code_paths=[str(Path(transformer.__file__).parent)],
+            loader_module=LOADER,
+            data_path=str(model_path),
             pip_requirements=[f"{p}=={importlib.metadata.version(p)}" for p in REQUIREMENTS],
             signature=ModelSignature(Schema([ColSpec("string")]), Schema([ColSpec("string")])),
             registered_model_name=name,
@@ -78,3 +87,43 @@ def promote_if_best(client, name: str, version: str, valid_bleu: float) -> None:
         current = float("-inf")
     if valid_bleu > current:
         client.set_registered_model_alias(name, BEST, version)
+
+
+def open_work_dir(work_dir: Path) -> tuple[str, list[str]]:
+    """The URI of `work_dir`'s own store, its artifact locations rewritten to where the work
+    dir is now, under the lock the flows take on it; and the old places."""
+    work = work_dir.resolve()
+    db = work / "mlflow.db"
+    if not db.is_file():
+        raise TrackingError(f"{db}: no MLflow store here (a work dir's mlflow.db)")
+    uri = f"sqlite:///{db}"
+    waiting = lambda: print(f"waiting for a flow, which holds {work}/.mlflow.lock")
+    with locked(work / ".mlflow.lock", waiting), store_errors(uri):
+        return uri, relocate_artifacts(db, work)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m tasks.registry", description=__doc__.split("\n\n")[0])
+    parser.add_argument("work_dir", type=Path, help="a work dir, wherever it now is")
+    args = parser.parse_args(argv)
+    try:
+        uri, moved = open_work_dir(args.work_dir)
+        with store_errors(uri):
+            models = client_for(uri).search_registered_models()
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for old in moved:
+        print(f"artifacts    {old} is now {args.work_dir.resolve()}/mlartifacts")
+    for model in models:
+        if BEST not in model.aliases:
+            print(f"registered   models:/{model.name} (no version is @{BEST})")
+            continue
+        print(f"registered   models:/{model.name}@{BEST}")
+        print(f"serve        MLFLOW_TRACKING_URI={uri} mlflow models serve -m "
+              f"models:/{model.name}@{BEST} --env-manager local -p 5001")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,32 +9,31 @@ column of a DataFrame, of raw sentences, with the decoding settings it was train
     curl -s localhost:5001/invocations -H 'Content-Type: application/json' \
         -d '{"inputs": ["The house is small."]}'
 
-Logged as a model from code: this file is the model's code (no pickle), the project's
-`transformer` package travels with it, and the weights stay the exported model.pt, loaded
-weights-only. Like every pyfunc it is code: it runs where someone loads or serves it, never
-when the pipeline reads its work dir.
+Logged with `loader_module="tasks.serving"` (tasks/registry.py): the model's artifact holds
+its weights (the exported model.pt, loaded weights-only), its signature and requirements,
+and no code. MLflow imports this module from the installed project and calls
+`_load_pyfunc` on the weights, so nothing in a work dir's `mlartifacts` runs when the model
+is loaded or served; it loads where the project is installed (`--env-manager local`).
 """
 
 from __future__ import annotations
 
-import mlflow
 import torch
-from mlflow.pyfunc import PythonModel
+
+from transformer.decoding.translate import load_translator, translate_lines
 
 
-class Translator(PythonModel):
-    def load_context(self, context) -> None:
-        from transformer.decoding.translate import load_translator
-
+class Translator:
+    def __init__(self, model_path: str):
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model, self.sp, self.params = load_translator(context.artifacts["model"], self.device)
+        self.model, self.sp, self.params = load_translator(model_path, self.device)
 
-    def predict(self, context, model_input, params=None) -> list[str]:
-        from transformer.decoding.translate import translate_lines
-
+    def predict(self, model_input, params=None) -> list[str]:
         column = model_input.iloc[:, 0] if hasattr(model_input, "iloc") else model_input
         lines = [str(line) for line in column]
         return translate_lines(self.model, self.sp, lines, self.params.decode, self.device)
 
 
-mlflow.models.set_model(Translator())
+def _load_pyfunc(data_path: str) -> Translator:
+    """MLflow's loader_module entry point: `data_path` is the artifact's copy of model.pt."""
+    return Translator(data_path)

@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from tasks.tracking import TrackingError, credentials_to_env
-from transformer.config import Params, Section, load_params, operational
+from tasks.tracking import (
+    CREDENTIAL,
+    CREDENTIAL_ADVICE,
+    TrackingError,
+    credentials_to_env,
+    holds_credential,
+)
+from transformer.config import Params, ParamsError, Section, load_params, operational
 
 # What the slurm launcher's batch script sets itself (tasks/slurm.py), or the keys above do:
-# given again in sbatch_options they would contradict it.
+# given again in sbatch_options they would contradict it (--wrap: a shell command instead).
 SBATCH_OWN = {
     "--nodes": "pipeline.nnodes", "-N": "pipeline.nnodes",
     "--ntasks-per-node": "the launcher (one torchrun agent per node)",
@@ -33,6 +39,17 @@ SBATCH_OWN = {
     "--array": "the launcher (one job)", "-a": "the launcher (one job)",
     "--wrap": "the launcher",
 }  # fmt: skip
+
+
+# The flow's `overrides` parameter: its JSON schema (which Prefect's server checks before it
+# creates, and stores, a deployment's run) allows no item that holds a credential. Its error
+# quotes no item ("Too many items match the given schema (expected at most 0)"), where a
+# pattern's would quote the credential back.
+Overrides = Annotated[
+    list[str],
+    Field(json_schema_extra={"contains": {"pattern": CREDENTIAL}, "minContains": 0,
+                             "maxContains": 0}),
+]  # fmt: skip
 
 
 class SlurmConfig(Section):
@@ -103,6 +120,8 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _launcher(self) -> PipelineConfig:
+        if self.tracking_uri is not None and holds_credential(self.tracking_uri):
+            raise ValueError(f"tracking_uri: {CREDENTIAL_ADVICE}")
         if self.launcher == "local" and self.nnodes > 1:
             raise ValueError(f"nnodes: {self.nnodes} nodes need pipeline.launcher: slurm "
                              "(the local launcher trains on this machine only)")  # fmt: skip
@@ -117,12 +136,21 @@ class RunParams(Params):
 
 
 def load_run_params(path: str | os.PathLike, overrides: list[str] | tuple = ()) -> RunParams:
-    """The whole params tree, the pipeline section included (ParamsError names the key)."""
+    """The whole params tree, the pipeline section included (ParamsError names the key).
+    No override may hold a credential (a URL's user info, a password), whatever its key:
+    overrides are a flow run's parameters, which Prefect stores and shows. The error names
+    the key, never the value."""
+    for item in overrides:
+        if holds_credential(item):
+            key = item.partition("=")[0] if "=" in item else ""
+            key = "an override" if not key or holds_credential(key) else key
+            raise ParamsError(f"{path} (override): {key}: {CREDENTIAL_ADVICE}")
     return load_params(Path(path), overrides, schema=RunParams)
 
 
 def tracking_uri(params: RunParams, work_dir: Path) -> str:
-    """The MLflow store's URI, a server's credentials moved to the environment."""
+    """The MLflow store's URI: the environment's (a server's credentials moved to the
+    variables MLflow reads them from), else the params' (which hold no credential)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or params.pipeline.tracking_uri
     if uri:
         return credentials_to_env(uri)

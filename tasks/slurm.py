@@ -48,17 +48,20 @@ BATCH = """\
 # the first node, at its address in Slurm and a port that is a function of the job (two
 # jobs on one node do not collide, every node knows it beforehand).
 set -u
+out={out}  # the run folder, quoted once here; everything below reads "$out"
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 addr=$(sinfo -h -N -n "$head" -o %o | head -n 1)
 export RDZV_ENDPOINT="$addr:$((20000 + SLURM_JOB_ID % 20000))"
+marker="$out/.slurm-$SLURM_JOB_ID.limit"  # hidden: no part of the stage's output
 # Slurm's warning before the time limit: SIGTERM to the agents (not to this script), which
 # pass it to the ranks; they save and stop.
-trap 'touch {marker}; scancel --signal=TERM "$SLURM_JOB_ID"' USR1
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash {node} &
+warned() {{ touch "$marker"; scancel --signal=TERM "$SLURM_JOB_ID"; }}
+trap warned USR1
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$out/slurm/node.sh" &
 step=$!
 wait "$step"
 code=$?
-if [ -e {marker} ]; then  # the trap cut the wait short: wait for the step's end
+if [ -e "$marker" ]; then  # the trap cut the wait short: wait for the step's end
     wait "$step"
     code=$?
 fi
@@ -69,12 +72,18 @@ NODE = """\
 # One node of the train stage's job: its torchrun agent, its stores on this node's address.
 # Node 0 hosts the rendezvous. Each agent logs to a file of its node; rank 0, wherever the
 # rendezvous puts it, to the run's train.log (tasks/train_worker.py), which the flow follows.
+out={out}
 addr=$(sinfo -h -N -n "$SLURMD_NODENAME" -o %o | head -n 1)
 host=0
 if [ "$SLURM_NODEID" = 0 ]; then host=1; fi
-export RANK0_LOG={log}
-exec {command} >> {out}/train.node$SLURM_NODEID.log 2>&1
+export RANK0_LOG="$out/train.log"
+exec {command} >> "$out/train.node$SLURM_NODEID.log" 2>&1
 """
+
+
+class Expanded(str):
+    """A word of the agent's command line that the node's shell expands: written by this
+    module, never taken from params or paths, which are quoted whole (shlex.quote)."""
 
 
 class SlurmError(UserError, RuntimeError):
@@ -84,15 +93,19 @@ class SlurmError(UserError, RuntimeError):
 def submit(layout: Layout, cfg, work: list[str], out: Path, env: dict, log) -> SlurmJob:
     """Write the job's scripts into `out/slurm`, submit it (sbatch takes `env`), return it.
     `cfg`: the params' pipeline.slurm; `work`: what each rank runs after `python`."""
+    for where, path in (("the run folder", out), ("the working directory", Path.cwd())):
+        if "%" in str(path) or "\\" in str(path):
+            raise SlurmError(f"{where} {path}: Slurm reads '%' and '\\' in a job's paths as "
+                             "patterns: choose a work dir without them")  # fmt: skip
     folder = out / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
-    marker = out / ".slurm-$SLURM_JOB_ID.limit"  # hidden: no part of the stage's output
-    rdzv = ["--rdzv-id", "$SLURM_JOB_ID", "--rdzv-conf", "is_host=$host"]
-    agent = [sys.executable, *torchrun(layout, "$RDZV_ENDPOINT", "$addr", *rdzv), *work]
+    rdzv = ["--rdzv-id", Expanded('"$SLURM_JOB_ID"'), "--rdzv-conf", Expanded('is_host="$host"')]
+    agent = [sys.executable, *torchrun(layout, Expanded('"$RDZV_ENDPOINT"'), Expanded('"$addr"'),
+                                       *rdzv), *work]  # fmt: skip
     node = folder / "node.sh"
-    node.write_text(NODE.format(log=_q(out / "train.log"), out=_q(out), command=_join(agent)))
+    node.write_text(NODE.format(out=shlex.quote(str(out)), command=_join(agent)))
     batch = folder / "train.sbatch"
-    batch.write_text(BATCH.format(marker=_q(marker), node=_q(node)))
+    batch.write_text(BATCH.format(out=shlex.quote(str(out))))
     cmd = ["sbatch", "--parsable", f"--job-name=train-{out.name[:12]}",
            f"--nodes={layout.nnodes}", "--ntasks-per-node=1", f"--chdir={Path.cwd()}",
            f"--output={folder}/%j.out", "--open-mode=append",
@@ -190,8 +203,8 @@ def raise_for_end(
         return
     if limited:
         what = "reached its time limit; the trainers saved and stopped"
-    elif state == "FAILED" and code > 128:
-        what = f"ended: its trainers were stopped by {signal.Signals(code - 128).name} and saved"
+    elif state == "FAILED" and (name := signal_name(code)):
+        what = f"ended: its trainers were stopped by {name} and saved"
     elif state in ("FAILED", "COMPLETED"):
         err = exit_error(code, tail, out / "train.log")
         agents = "" if code == 2 else f"\n(each node's torchrun agent: {out}/train.node*.log)"
@@ -201,6 +214,15 @@ def raise_for_end(
     raise TrainingFailed(f"{job} {what}: {resumes(out)}", user_error=True)
 
 
+def signal_name(code: int) -> str | None:
+    """SIGTERM for 143; None for a code that is no signal's (Slurm's 0:53, a launch that
+    failed, reads as 181)."""
+    try:
+        return signal.Signals(code - 128).name if code > 128 else None
+    except ValueError:
+        return None
+
+
 def resumes(out: Path) -> str:
     try:
         return f"rerun to resume at step {describe_run(out)['step']}"
@@ -208,11 +230,7 @@ def resumes(out: Path) -> str:
         return "no checkpoint yet: a rerun starts over"
 
 
-def _q(path: Path) -> str:
-    """A path in the scripts, quoted for the shell, its $SLURM_JOB_ID left to expand."""
-    return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
-
-
 def _join(args: list[str]) -> str:
-    """A command line: each argument quoted, its shell variables ($addr) left to expand."""
-    return " ".join(_q(Path(a)) if "$" in a else shlex.quote(a) for a in args)
+    """A command line for the node's shell: each argument quoted whole, but the Expanded
+    words this module wrote for the shell."""
+    return " ".join(a if isinstance(a, Expanded) else shlex.quote(a) for a in args)

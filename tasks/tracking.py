@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote
 
 import requests
 from mlflow.entities import Metric, Param, RunStatus
@@ -26,7 +26,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import _validate_model_name
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from transformer.cli import UserError
 from transformer.config import Params, flatten, to_dict
@@ -41,6 +42,7 @@ EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 # The stores MLflow's client opens: a typo'd scheme would otherwise be a traceback deep in
 # MLflow's store registry, after Prefect has started.
 SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "file")
+DATABASES = ("postgresql", "mysql", "mssql")  # through SQLAlchemy and a driver of their own
 
 
 class TrackingError(UserError, RuntimeError):
@@ -53,12 +55,42 @@ class TrackingLost(TrackingError):
 
 # --------------------------------------------------------------------------- credentials
 
-_USERINFO = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/\s@]+@", re.IGNORECASE)
+# A credential in a URI: its user info, all between '://' and the last '@' of a URI with an
+# authority (any character: people type '/', '#', '@' and spaces in passwords unescaped), or
+# a password in its query (SQLAlchemy hands it to the database's driver).
+_PASSWORD_KEY = "".join(f"[{c.upper()}{c}]" for c in "password")  # no flags in a JSON schema
+CREDENTIAL = rf"://[^/][\s\S]*@|[?&]{_PASSWORD_KEY}="
+CREDENTIAL_ADVICE = (
+    "holds a credential, which params never do (Prefect stores and shows a run's "
+    "parameters): give it in the environment, MLFLOW_TRACKING_USERNAME and "
+    "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for a tracking server, or the whole "
+    "URI in MLFLOW_TRACKING_URI"
+)
+# In free text (a library's message): a URL's user info up to its last '@' within the word.
+_USERINFO = re.compile(r"\b([a-z][a-z0-9+.-]*://)(?=[^/\s])\S*@", re.IGNORECASE)
+_QUERY_PASSWORD = re.compile(rf"([?&]{_PASSWORD_KEY}=)[^&\s]*")
+_secrets: set[str] = set()  # the credentials of URIs this process was given: never shown
+
+
+def holds_credential(text: str) -> bool:
+    return re.search(CREDENTIAL, text) is not None
 
 
 def redact(text: str) -> str:
-    """`text` with the user info of every URL in it (user:token@) as ***@."""
-    return _USERINFO.sub(r"\1***@", text)
+    """`text` with every credential this process knows of, and the user info and query
+    password of every URL in it, as ***."""
+    for secret in sorted(_secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return _QUERY_PASSWORD.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
+
+
+def _split_userinfo(uri: str) -> tuple[str, str | None, str]:
+    """(scheme://, user info or None, the rest) of a URI, user info up to its last '@'."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or rest.startswith("/") or "@" not in rest:
+        return uri, None, ""
+    userinfo, host = rest.rsplit("@", 1)
+    return scheme + sep, userinfo, host
 
 
 class Redacting(logging.Filter):
@@ -67,8 +99,9 @@ class Redacting(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if _USERINFO.search(message):
-            record.msg, record.args = redact(message), None
+        shown = redact(message)
+        if shown != message:
+            record.msg, record.args = shown, None
         return True
 
 
@@ -83,22 +116,29 @@ def redact_logs() -> None:
 
 
 def credentials_to_env(uri: str) -> str:
-    """A tracking server's URI without its user info, which goes to the environment MLflow
-    reads it from (MLFLOW_TRACKING_USERNAME/PASSWORD, or MLFLOW_TRACKING_TOKEN for a
-    token alone), inherited by the ranks: no URI the pipeline keeps, logs or passes on
-    holds a credential. Database URIs keep theirs (their drivers need them) and are only
-    ever shown redacted."""
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+    """The environment's tracking URI (MLFLOW_TRACKING_URI; params hold none with a
+    credential, tasks/settings.py) with a server's user info moved to the environment
+    MLflow reads it from (MLFLOW_TRACKING_USERNAME/PASSWORD, or MLFLOW_TRACKING_TOKEN for a
+    token alone), inherited by the ranks. A database's URI keeps its credential (its driver
+    needs it). Either way redact() knows the credential from here on."""
+    scheme, userinfo, host = _split_userinfo(uri)
+    query = _QUERY_PASSWORD.search(uri)
+    if query and query.end() - query.end(1) >= 4:
+        _secrets.add(uri[query.end(1) : query.end()])
+    if userinfo is None:
         return uri
-    userinfo, host = parts.netloc.rsplit("@", 1)
     user, _, password = userinfo.partition(":")
+    # (not the user name alone: a short one would star out every word that holds it)
+    _secrets.update(s for s in (userinfo, unquote(userinfo), password, unquote(password))
+                    if len(s) >= 4)  # fmt: skip
+    if scheme not in ("http://", "https://"):
+        return uri
     if password:
         os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
         os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
     else:
         os.environ["MLFLOW_TRACKING_TOKEN"] = unquote(user)
-    return urlunsplit(parts._replace(netloc=host))
+    return scheme + host
 
 
 # --------------------------------------------------------------------------- the store
@@ -119,12 +159,15 @@ def store_errors(uri: str) -> Iterator[None]:
 def check_store(uri: str, registered_model: str) -> None:
     """What can be checked before any stage runs: the URI's scheme, that a tracking server
     answers, the registered model's name (MLflow's own rules)."""
-    scheme = urlsplit(uri).scheme
+    named = re.match(r"([a-z][a-z0-9.-]*)(\+[a-z0-9]+)?:", uri, re.IGNORECASE)
+    scheme = named[1] if named else ""  # of SQLAlchemy's dialect+driver, the dialect
     if scheme not in SCHEMES:
         raise TrackingError(
             f"pipeline.tracking_uri {redact(uri)}: scheme {scheme!r} is none of MLflow's "
             f"({', '.join(SCHEMES)})"
         )
+    if scheme in DATABASES:
+        database_driver(uri)
     if scheme in ("http", "https"):
         try:
             requests.get(f"{uri.rstrip('/')}/health", timeout=10).raise_for_status()
@@ -137,6 +180,20 @@ def check_store(uri: str, registered_model: str) -> None:
         _validate_model_name(registered_model)
     except MlflowException as err:
         raise TrackingError(f"pipeline.registered_model: {err.message}") from None
+
+
+def database_driver(uri: str) -> None:
+    """The database's driver is installed (psycopg2 for postgresql, ...): MLflow would
+    import it at its first query, a ModuleNotFoundError deep in SQLAlchemy."""
+    try:
+        make_url(uri).get_dialect().import_dbapi()
+    except ImportError as err:
+        raise TrackingError(
+            f"pipeline.tracking_uri {redact(uri)}: the database's driver is not installed "
+            f"({err}): install it, or use an MLflow tracking server"
+        ) from None
+    except (ArgumentError, ValueError) as err:
+        raise TrackingError(f"pipeline.tracking_uri {redact(uri)}: {redact(str(err))}") from None
 
 
 def client_for(uri: str) -> MlflowClient:

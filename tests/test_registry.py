@@ -1,14 +1,20 @@
-"""The registry's alias `best`, in a real MLflow store: it follows validation BLEU, never test.
-And the names a run's experiment and registered model take from its params."""
+"""The registry in a real MLflow store: the alias `best` follows validation BLEU, never test;
+the names a run's experiment and registered model take from its params; the smoke flow's
+registered model loads from a moved work dir and carries no code."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
+import mlflow
 import pytest
+import yaml
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 from flows.wmt14_ende import open_run
+from tasks import registry
 from tasks.registry import BEST, promote_if_best
 from tasks.settings import experiment_name, load_run_params
 from transformer.config import params_hash
@@ -81,3 +87,50 @@ def test_an_english_czech_run_registers_under_its_own_pair(tmp_path, monkeypatch
     run = open_run.fn(params, params_hash(params), "encs", str(tmp_path))
     assert run["registered_model"] == "wmt14-encs-encs"
     assert MlflowClient(run["uri"]).get_experiment(run["experiment_id"]).name == "wmt14-encs"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "/tmp/transformer-mt-registry-ran-code"
+PLANTED = f"open({MARKER!r}, 'w').write('ran')\n"
+
+
+def test_a_moved_work_dirs_model_loads_by_its_alias_and_no_code_of_it_runs(
+    fresh_flow, tmp_path, monkeypatch
+):
+    """The smoke flow's work dir, moved: its store names the old place until it is opened
+    here (`python -m tasks.registry`), then `models:/NAME@best` loads from the new place and
+    translates. The registered artifact holds weights and metadata, no code: Python planted
+    where a model from code would keep it does not run at the load; the model translates as
+    the flow's decode stage did."""
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    subprocess.run(["cp", "-a", str(fresh_flow), str(first)], check=True)  # never in place
+    assert registry.main([str(first)]) == 0  # as a flow there would: locations at `first`
+    first.rename(moved)
+    uri = f"sqlite:///{moved / 'mlflow.db'}"
+    monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", uri)
+    with pytest.raises(MlflowException, match="No such artifact"):  # it names `first`, gone
+        mlflow.pyfunc.load_model(f"models:/{NAME}@{BEST}")
+    assert registry.main([str(moved)]) == 0
+    client = MlflowClient(uri)
+    best = client.get_model_version_by_alias(NAME, BEST).version
+    artifact = Path(client.get_model_version_download_uri(NAME, best).removeprefix("file://"))
+    assert artifact.is_relative_to(moved / "mlartifacts")
+    assert not [p for p in artifact.rglob("*") if p.suffix in (".py", ".pyc", ".pkl")]
+    flavor = yaml.safe_load((artifact / "MLmodel").read_text())["flavors"]["python_function"]
+    assert flavor["loader_module"] == "tasks.serving" and flavor.get("code") is None
+    for planted in (artifact / "serving.py", artifact / "code" / "tasks" / "serving.py"):
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        planted.write_text(PLANTED)
+    Path(MARKER).unlink(missing_ok=True)
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}@{BEST}")
+    source = (ROOT / "data" / "smoke" / "test.en").read_text().splitlines()[:3]
+    decoded = next(moved.glob("decode/*/test.hyp")).read_text().splitlines()[:3]
+    assert model.predict(source) == decoded  # as the decode stage translated them
+    assert not Path(MARKER).exists()
+
+
+def test_a_folder_with_no_store_is_one_line(tmp_path, capsys):
+    assert registry.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}/mlflow.db: no MLflow store here (a work dir's mlflow.db)\n"
+    )

@@ -443,20 +443,22 @@ def test_refresh_waits_for_the_flows_that_read_a_folder(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a 3 MB tmpfs: root only")
-def test_a_full_disk_names_the_folder_it_could_not_write(tmp_path):
+def test_a_full_disk_names_the_folder_whole_even_with_a_newline(tmp_path):
     """A work dir on a 3 MB file system: the stage that fills it fails in one line naming
-    the folder it was writing ("No space left on device" named no path), exit 2."""
+    where ("No space left on device" named no path), the newline in the work dir's name
+    escaped, not a line break that cuts the error in two."""
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], check=True)
     try:
-        code, out = finish(flow(disk / "work"))
+        work = disk / "wo\nrk"
+        code, out = finish(flow(work))
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=True)
     assert code == 2, out[-3000:]
     errors = _error_lines(out)
     assert len(errors) == 1 and "No space left on device" in errors[0], out[-3000:]
-    assert str(disk / "work") + "/" in errors[0], errors
+    assert str(disk / "wo\\nrk") in errors[0], errors
 
 
 def test_a_stage_record_is_verified_to_the_byte_and_an_old_one_is_upgraded(tmp_path):

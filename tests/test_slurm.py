@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,18 +99,32 @@ def launch(run, out: Path) -> None:
     follow(run, out / "train.log", 0, log, None)
 
 
+# What a work dir, a deployment parameter, may hold: each a way out of a quoted word ('%'
+# and '\\' are refused: Slurm reads them as patterns in a job's paths).
+HOSTILE = "w $(touch PWNED) `touch PWNED` ' \" $HOME ; touch PWNED"
+
+
 def test_two_nodes_train_as_one_node_with_the_same_ranks(
-    cluster, tiny_params, tiny_shards, tmp_path
+    cluster, tiny_params, tiny_shards, tmp_path, monkeypatch
 ):
     """Two torchrun agents, one a node, meeting at the first (c10d), and one agent of two
-    processes on this machine: the same two ranks, the same updates, bit for bit."""
+    processes on this machine: the same two ranks, the same updates, bit for bit. The job's
+    files are in a work dir holding command substitutions, quotes, a variable and spaces:
+    the job's scripts quote every path whole, and no command in it runs."""
+    cwd = tmp_path / "cwd"  # the job's working directory (sbatch --chdir): where PWNED would be
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    hostile = tmp_path / HOSTILE
+    hostile.mkdir()
+    shutil.copy(tiny_params, hostile / "params.yaml")
+    shutil.copytree(tiny_shards, hostile / "shards")
     env = {**cluster, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    two, one = tmp_path / "two", tmp_path / "one"
+    two, one = hostile / "two", tmp_path / "one"
     cfg = load_run_params(tiny_params).pipeline.slurm
     for out in (two, one):
         out.mkdir()
         (out / "train.log").touch()  # what tasks.train.launch does first
-    work = worker(tiny_params, tiny_shards, two, SAME_UPDATES)
+    work = worker(hostile / "params.yaml", hostile / "shards", two, SAME_UPDATES)
     job = slurm_launcher.submit(Layout("slurm", 2, 1), cfg, work, two, env, log)
     launch(job, two)
     with open(one / "train.log", "ab") as logfile:
@@ -125,6 +140,8 @@ def test_two_nodes_train_as_one_node_with_the_same_ranks(
     assert (two / "train.log").read_text().count("step 3/3 (100%)") == 1
     for node in (0, 1):
         assert "step " not in (two / f"train.node{node}.log").read_text()
+    pwned = [*tmp_path.rglob("PWNED"), *(d / "PWNED" for d in (ROOT, Path.home(), Path("/tmp")))]
+    assert not [p for p in pwned if p.exists()]
 
 
 def test_a_job_slurm_refuses_fails_in_one_line_naming_it(

@@ -7,6 +7,7 @@ case costs one flow process and not a temporary API's start."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,8 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 from conftest import answers, free_port
 from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.exceptions import ObjectNotFound
 
 from tasks.tracking import (
     TrackingError,
@@ -82,18 +86,24 @@ def one_error(code: int, out: str, expected_code: int = 2) -> str:
 
 
 DEAD = "http://user:" + SECRET + "@127.0.0.1:9"  # port 9 (discard): nothing listens
+# A database's URI with its credential, a '/' in the password (no driver installed for it).
+POSTGRES = f"postgresql://alice:{SECRET}/x@127.0.0.1:9/db"
 
-# (id, overrides, environment, what the error line must hold). A tracking server's
-# credentials leave its URI for the environment (MLFLOW_TRACKING_USERNAME/PASSWORD) at once.
+# (id, overrides, environment, what the error line must hold). Params hold no credential
+# (tests/test_boundaries.py); the environment's do, and a tracking server's leave its URI for
+# MLFLOW_TRACKING_USERNAME/PASSWORD at once.
 SLOW = pytest.mark.slow  # ~9 s a flow process: the default suite keeps one of each kind
 CASES = [
     pytest.param("a scheme MLflow has not", ["pipeline.tracking_uri=ftp://host/runs"], {},
                  "pipeline.tracking_uri ftp://host/runs: scheme 'ftp'", marks=SLOW),
-    ("no tracking server", [f"pipeline.tracking_uri={DEAD}"], {},
+    ("no tracking server", ["pipeline.tracking_uri=http://127.0.0.1:9"], {},
      "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers"),
     pytest.param("no tracking server, from the environment", [], {"MLFLOW_TRACKING_URI": DEAD},
                  "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers",
                  marks=SLOW),
+    ("a database without its driver", [], {"MLFLOW_TRACKING_URI": POSTGRES},
+     "pipeline.tracking_uri postgresql://***@127.0.0.1:9/db: the database's driver is not "
+     "installed (No module named 'psycopg2')"),
     pytest.param("a registered model name with a slash", ["pipeline.registered_model=team/model"],
                  {}, "pipeline.registered_model: Invalid model name 'team/model'", marks=SLOW),
     ("no Prefect API", [], {"PREFECT_API_URL": DEAD + "/api"},
@@ -152,32 +162,94 @@ print("locked", flush=True); time.sleep(600)"""
 
 
 def test_a_credential_in_the_tracking_uri_appears_nowhere(servers, tmp_path):
-    """The run opens on a real tracking server with `user:token@` in its URI (the server
-    takes any), logs its params and params file, then its first stage fails (a test split
-    whose German side is a line short, which preflight does not read): the token is in no
-    output, no file of the work dir, nothing the MLflow server stored and nothing the
-    Prefect server stored."""
+    """The run opens on a real tracking server whose URI, in the environment, holds
+    `user:password@` with a '/', a '#' and an '@' in the password (the server takes any),
+    logs its params and params file, then its first stage fails (a test split whose German
+    side is a line short, which preflight does not read): the password is in no output, no
+    file of the work dir, nothing the MLflow server stored and nothing the Prefect server
+    stored."""
     work = tmp_path / "work"
     source = tmp_path / "short_test"
     shutil.copytree(ROOT / "data" / "smoke", source)
     lines = (source / "test.de").read_text(encoding="utf-8").splitlines(keepends=True)
     (source / "test.de").write_text("".join(lines[:-1]), encoding="utf-8")
-    with_token = servers["tracking"].replace("http://", f"http://user:{SECRET}@")
-    code, out = run_flow(servers, work, f"pipeline.tracking_uri={with_token}",
-                         f"data.source.path={source}")  # fmt: skip
+    with_token = servers["tracking"].replace("http://", f"http://user:{SECRET}/#@x@")
+    code, out = run_flow(servers, work, f"data.source.path={source}",
+                         MLFLOW_TRACKING_URI=with_token)  # fmt: skip
     assert "parallel files differ in length" in one_error(code, out)
     assert SECRET not in out
     runs = MlflowClient(servers["tracking"]).search_runs(
         [MlflowClient(servers["tracking"]).get_experiment_by_name("wmt14-ende").experiment_id]
     )
     assert runs, "the run was not opened on the server"
-    assert all(
-        "tracking_uri" not in k or SECRET not in v for r in runs for k, v in r.data.params.items()
-    )
     stores = [work, servers["root"]]
     leaks = [p for base in stores for p in base.rglob("*")
              if p.is_file() and SECRET.encode() in p.read_bytes()]  # fmt: skip
     assert not leaks, leaks
+
+
+@pytest.mark.slow  # 40 s on 2 idle cores, minutes on a loaded one: a served flow runs
+def test_a_deployment_run_with_a_credential_is_refused_and_stored_nowhere(servers, tmp_path):
+    """Served deployments on the real Prefect server: `prefect deployment run` with a
+    credential in an override is refused by the server (the flow's parameter schema), so
+    no run exists and nothing stored holds it. A run created through the API with the
+    schema's check turned off reaches the flow, which replaces the override in the run's
+    parameters (read back from the API) and fails in one line."""
+    env = servers["env"]
+    spec = tmp_path / "deployments.yaml"
+    spec.write_text(f"deployments:\n  - {{name: creds, parameters: {{params: {SMOKE}}}}}\n")
+    serving = subprocess.Popen(
+        [sys.executable, "-m", "flows.deploy", "--file", str(spec), "--work-dir",
+         str(tmp_path / "work")], cwd=ROOT, env=env, start_new_session=True,
+        stdout=(tmp_path / "serve.log").open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    api = env["PREFECT_API_URL"]
+    uri = f"pipeline.tracking_uri=http://alice:{SECRET}/x@127.0.0.1:9"
+    try:
+        with SyncPrefectClient(api) as client:
+            deployment = wait_until(lambda: deployment_named(client, "wmt14-ende/creds"))
+            done = subprocess.run(
+                [str(Path(sys.executable).parent / "prefect"), "deployment", "run",
+                 "wmt14-ende/creds", "-p", "overrides=" + json.dumps([uri])],
+                env=env, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert done.returncode == 1, done.stdout + done.stderr
+            assert "Too many items match the given schema" in done.stdout + done.stderr
+            assert SECRET not in done.stdout + done.stderr
+            assert not client.read_flow_runs(), "a run was created"
+            past = requests.post(f"{api}/deployments/{deployment.id}/create_flow_run",
+                                 json={"parameters": {"overrides": [uri, "train.max_steps=3"]},
+                                       "enforce_parameter_schema": False}, timeout=60)  # fmt: skip
+            run_id = past.json()["id"]
+            run = wait_until(lambda: final(client, run_id))
+            assert run.parameters["overrides"] == ["***", "train.max_steps=3"]
+            assert run.state.message.startswith("wmt14-ende: ") and "holds a credential" in (
+                run.state.message
+            )
+    finally:
+        os.killpg(serving.pid, 15)
+        serving.wait(timeout=60)
+    assert SECRET not in (tmp_path / "serve.log").read_text()
+
+
+def wait_until(ready, seconds: float = 300):
+    deadline = time.monotonic() + seconds
+    while not (answer := ready()):
+        assert time.monotonic() < deadline, "not ready"
+        time.sleep(1)
+    return answer
+
+
+def deployment_named(client, name: str):
+    try:
+        return client.read_deployment_by_name(name)
+    except ObjectNotFound:
+        return None
+
+
+def final(client, run_id: str):
+    run = client.read_flow_run(run_id)
+    return run if run.state is not None and run.state.is_final() else None
 
 
 def test_redact_hides_user_info_of_every_url_and_nothing_else():

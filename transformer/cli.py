@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -29,3 +31,22 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def existing_file(what: str) -> Callable[[str], Path]:
+    """An argparse type: the path of a regular file that is to be `what` ("a model file");
+    a folder, a device or FIFO (which a reader could wait on, or read forever), or no file
+    is refused in one line naming it, before anything is read. Its content is the reader's
+    to check, and no error quotes it."""
+
+    def check(text: str) -> Path:
+        path = Path(text)
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text}: a folder, not {what}")
+        if not path.exists():
+            raise argparse.ArgumentTypeError(f"{text}: no such file")
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"{text}: not a regular file, not {what}")
+        return path
+
+    return check

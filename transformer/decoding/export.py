@@ -49,7 +49,7 @@ from typing import get_args
 import torch
 from torch import Tensor, nn
 
-from transformer.cli import ArgumentParser
+from transformer.cli import ArgumentParser, existing_file
 from transformer.config import ExportConfig, ExportFormat, Quantization
 from transformer.decoding.translate import load_translator
 from transformer.files import SPM_MODEL, OutputError, atomic_dir, check_output, file_sha256
@@ -440,7 +440,8 @@ def _marian_ffn(out: dict, w: dict, ours: str, theirs: str, perm: Tensor) -> Non
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m transformer.export", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("model", help="exported model file (transformer.average)")
+    p.add_argument("model", type=existing_file("a model file"),
+                   help="exported model file (transformer.average)")  # fmt: skip
     p.add_argument("--format", required=True, help=" or ".join(FORMATS))
     p.add_argument("--out", required=True, help="output folder (an earlier export's is replaced)")
     p.add_argument("--quantization", help=f"ctranslate2 only: {', '.join(QUANTIZATIONS)}")

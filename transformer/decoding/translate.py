@@ -29,7 +29,7 @@ import torch
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from transformer.cli import ArgumentParser
+from transformer.cli import ArgumentParser, existing_file
 from transformer.config import DecodeConfig, Params
 from transformer.console import PROGRESS_EVERY_S, Progress
 from transformer.data.vocab import Lowercasing, VocabError, load_spm
@@ -241,6 +241,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--model",
         action="append",
         required=True,
+        type=existing_file("a model file"),
         metavar="FILE",
         help="exported model file (transformer.average); repeat it for an ensemble",
     )

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
-from transformer.cli import USER_ERRORS, ArgumentParser
+from transformer.cli import USER_ERRORS, ArgumentParser, existing_file
 from transformer.config import AverageConfig
 from transformer.console import setup_logging
-from transformer.files import SPM_MODEL, check_output
+from transformer.data.vocab import VocabError, load_spm
+from transformer.files import SPM_MODEL, check_output, read_bounded
 from transformer.model_file import (
     CheckpointError,
     ModelFile,
@@ -35,6 +36,8 @@ from transformer.model_file import (
 from transformer.training.checkpoint import SNAPSHOT_FIELDS, SNAPSHOT_FORMAT, select_snapshots
 
 log = logging.getLogger("transformer.average")  # not "__main__" under -m
+# A sentencepiece model of the largest vocabularies is a few MB: a file over this is none.
+MAX_SPM_BYTES = 1 << 26
 
 
 def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
@@ -83,8 +86,10 @@ def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Pat
     params and data fingerprint are those of the newest (the first of that step)."""
     check_output(out, [*paths, spm_model])
     infos = [load_typed(p, SNAPSHOT_FORMAT, True, SNAPSHOT_FIELDS) for p in paths]  # inputs first
-    if not Path(spm_model).is_file():
-        raise CheckpointError(f"{spm_model}: no sentencepiece model to export with the model")
+    # Bundled into the model file, so read by sentencepiece first: any other file (a model,
+    # /etc/passwd) is one line naming it, and its bytes go nowhere.
+    spm_bytes = read_bounded(spm_model, MAX_SPM_BYTES, "sentencepiece model", VocabError)
+    load_spm(spm_model)
     newest = max(infos, key=lambda info: info["step"])
     meta = {
         "averaged_from": _names(paths),
@@ -93,7 +98,6 @@ def export_checkpoints(paths: Sequence[Path], spm_model: Path, out: Path) -> Pat
         "data_fingerprint": newest["data_fingerprint"],
     }
     model = average_checkpoints(paths)
-    spm_bytes = Path(spm_model).read_bytes()
     saved = save_model_file(out, ModelFile(newest["params"], model, spm_bytes, meta))
     log.info("wrote %s (average of steps %s)", saved, meta["steps"])
     return saved
@@ -168,14 +172,27 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--last", type=_positive, help="run folder: the last N snapshots")
     which.add_argument("--best", type=_positive, help="run folder: the N best by validation")
     parser.add_argument("--out", type=Path, required=True, help="the model file to write")
-    parser.add_argument("--spm", type=Path, help="snapshots: sentencepiece model to bundle")
+    parser.add_argument("--spm", type=existing_file("a sentencepiece model"),
+                        help="snapshots: sentencepiece model to bundle")  # fmt: skip
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse: usage on stderr, exit 2 (0 for --help)
         return int(exit_.code or 0)
     setup_logging(is_main=True)
+    files = [path for path in args.inputs if not path.is_dir()]
     try:
-        if all(path.is_dir() for path in args.inputs):
+        if files and len(files) < len(args.inputs):
+            raise argparse.ArgumentTypeError(
+                f"{files[0]}: not a run folder, as the other "
+                "inputs are: give run folders, or snapshot files"
+            )
+        for path in files:
+            existing_file("a snapshot")(str(path))
+    except argparse.ArgumentTypeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        if not files:
             run_dir, *branches = args.inputs
             cfg = _configured(run_dir, args.last, args.best)
             export_average(run_dir, cfg, args.out, branches=branches)
