@@ -235,6 +235,27 @@ def test_add_norm_is_layer_norm_of_the_sum(build, rows, d):
     assert cpu_decoding.add_norm(x, y, w, b, eps) is None  # a gradient to keep
 
 
+@pytest.mark.parametrize("rows, vocab", [(1, 5), (3, 40), (37, 1000), (9, 8003)])
+def test_log_softmax_is_torchs(build, rows, vocab):
+    """A step's log-probabilities, written over its logits: torch's to fp32 rounding (rtol
+    1e-6; atol 4e-6, the rounding of the log of the sum of exps on logits of a spread up
+    to 40), each row on its own, -inf where a logit is -inf; it declines what it was not
+    built for."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 8
+    logits[0, 0] = float("-inf")
+    want = torch.log_softmax(logits, -1)
+    got = logits.clone()
+    assert cpu_decoding.log_softmax_(got) is got
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=4e-6)
+    alone = cpu_decoding.log_softmax_(logits[-1:].clone())
+    assert torch.equal(got[-1:], alone) and got[0, 0] == float("-inf")
+    assert cpu_decoding.log_softmax_(logits.double()) is None
+    assert cpu_decoding.log_softmax_(logits[:, ::2]) is None  # not contiguous
+    with torch.enable_grad():
+        assert cpu_decoding.log_softmax_(logits.clone().requires_grad_()) is None
+
+
 @pytest.mark.parametrize(
     "m, n, k", [(1, 16, 32), (5, 40, 32), (8, 384, 128), (13, 1000, 128), (64, 128, 512)]
 )
@@ -478,10 +499,16 @@ def test_the_best_extensions_decline_what_they_were_not_built_for(build):
 
 @torch.no_grad()
 def test_beam_search_finds_its_candidates_in_c_at_every_step(build, monkeypatch):
+    """And its log-probabilities: log_softmax in C at every step too."""
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=1, d_model=32, d_ff=64, n_heads=2, dropout=0.0)
     model = Ending(Transformer(cfg, 40).eval(), 1.0)
-    calls, best = [], cpu_decoding.best_extensions
+    calls, normalized, best, log_softmax_ = (
+        [],
+        [],
+        cpu_decoding.best_extensions,
+        cpu_decoding.log_softmax_,
+    )
     steps = []
 
     def spy(*args):
@@ -489,10 +516,14 @@ def test_beam_search_finds_its_candidates_in_c_at_every_step(build, monkeypatch)
         return calls[-1]
 
     monkeypatch.setattr(cpu_decoding, "best_extensions", spy)
+    monkeypatch.setattr(
+        cpu_decoding, "log_softmax_", lambda x: normalized.append(log_softmax_(x)) or normalized[-1]
+    )
     decode = model.decode
     monkeypatch.setattr(model, "decode", lambda *a, **kw: steps.append(1) or decode(*a, **kw))
     beam_search(model, batch([5, 6, 7], [8, 9]), 4, 0.6, 1.0, 5, static=False)
     assert len(calls) == len(steps) > 1 and all(out is not None for out in calls)
+    assert len(normalized) == len(steps) and all(out is not None for out in normalized)
 
 
 @torch.no_grad()

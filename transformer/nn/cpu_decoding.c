@@ -124,19 +124,25 @@ static inline vf exp_nonpositive(vf x) {
 
 /* n floats from p on their way to L2 */
 static inline void fetch(const float *p, int64_t n) {
+#ifdef NOFETCH
+    return;
+#endif
     for (int64_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 2);
 }
 
 /* One chunk's scores for r (<= QP) queries: s[m][l0 .. l0 + 15] = sum over d, in order, of
- * qv[m][d] * key(l0 + j)[d]; `kt` holds the chunk's 16 keys transposed (D rows of 16) */
+ * qv[m][d] * key(l0 + j)[d]; `kt` holds the chunk's 16 keys transposed (D rows of 16);
+ * `next`: a tile to fetch as this one is read, a row (one cache line) per d (NULL: none) */
 static inline __attribute__((always_inline)) void chunk_scores(
     const int64_t r, const int64_t D, const float *kt, float (*qv)[MAXD], float *s,
-    int64_t Lp, int64_t l0) {
+    int64_t Lp, int64_t l0, const float *next) {
     vf acc[QP][NV];
+    if (next) __builtin_prefetch(next, 0, 2);
     for (int64_t m = 0; m < r; m++)
         for (int j = 0; j < NV; j++) acc[m][j] = qv[m][0] * *(const vfu *)(kt + j * VW);
     for (int64_t d = 1; d < D; d++) {
         vf kd[NV];
+        if (next) __builtin_prefetch(next + d * T, 0, 2);
         for (int j = 0; j < NV; j++) kd[j] = *(const vfu *)(kt + d * T + j * VW);
         for (int64_t m = 0; m < r; m++)
             for (int j = 0; j < NV; j++) acc[m][j] += qv[m][d] * kd[j];
@@ -146,25 +152,30 @@ static inline __attribute__((always_inline)) void chunk_scores(
 }
 
 /* r (<= QP) queries' weighted sums of values over vectors i0, i0 + 1 (`two`) of d, key by
- * key in order: out[m] = sum over l < L of s[m][l] * v[l], times inv[m]; `next`: the next
- * block's values (vs apart), fetched as these are read (NULL: already fetched) */
+ * key in order: out[m] = sum over l < L of s[m][l] * v[l], times inv[m]. The first pass
+ * over a block (`first`) sums the weights too, key by key in order, and sets inv[m] to
+ * 1 / that sum, and fetches the next block's values (`next`, vs apart) as it reads these. */
 static inline __attribute__((always_inline)) void weigh(
-    const int64_t r, const int two, int64_t L, int64_t D, int64_t i0, const float *v,
-    int64_t vs, const float *s, int64_t Lp, const float *inv, float *out, int64_t os,
-    const float *next) {
+    const int64_t r, const int two, const int first, int64_t L, int64_t D, int64_t i0,
+    const float *v, int64_t vs, const float *s, int64_t Lp, float *inv, float *out,
+    int64_t os, const float *next) {
     const int64_t n0 = part(D, i0), n1 = two ? part(D, i0 + 1) : 0;
     vf acc[QP][2];
-    for (int64_t m = 0; m < r; m++) acc[m][0] = acc[m][1] = splat(0.0f);
+    float total[QP];
+    for (int64_t m = 0; m < r; m++) acc[m][0] = acc[m][1] = splat(0.0f), total[m] = 0.0f;
     for (int64_t l = 0; l < L; l++) {
         const float *vl = v + l * vs + i0 * VW;
-        if (next) fetch(next + l * vs, D);
+        if (first && next) fetch(next + l * vs, D);
         const vf v0 = load(vl, n0), v1 = two ? load(vl + VW, n1) : v0;
         for (int64_t m = 0; m < r; m++) {
             const float w = s[m * Lp + l];
             acc[m][0] += w * v0;
             if (two) acc[m][1] += w * v1;
+            if (first) total[m] += w;
         }
     }
+    for (int64_t m = 0; m < r; m++)
+        if (first) inv[m] = 1.0f / total[m];
     for (int64_t m = 0; m < r; m++) {
         float *om = out + m * os + i0 * VW;
         store(om, acc[m][0] * inv[m], n0);
@@ -201,10 +212,8 @@ static inline __attribute__((always_inline)) void blocks(
         for (int64_t l0 = 0; l0 < L; l0 += T) {
             const float *chunk = kb + l0 / T * ks[2];
             const int64_t n = L - l0 < T ? L - l0 : T;
-            if (tiled) fetch(kn + l0 / T * ks[2], D * T);
-            else
-                for (int64_t j = 0; j < n; j++) fetch(kn + (l0 + j) * ks[2], D);
             if (!tiled) {
+                for (int64_t j = 0; j < n; j++) fetch(kn + (l0 + j) * ks[2], D);
                 for (int64_t j = 0; j < n; j++)
                     for (int64_t d = 0; d < D; d++) kt[d * T + j] = kb[(l0 + j) * ks[2] + d];
                 chunk = kt;
@@ -213,11 +222,12 @@ static inline __attribute__((always_inline)) void blocks(
                 const int64_t r = M - m0 < QP ? M - m0 : QP;
                 float (*qm)[MAXD] = qv + m0;
                 float *sm = &s[m0][0];
-                if (r == QP) chunk_scores(QP, D, chunk, qm, sm, Lp, l0);
-                else if (r == 1) chunk_scores(1, D, chunk, qm, sm, Lp, l0);
+                const float *fn = tiled && m0 == 0 ? kn + l0 / T * ks[2] : 0;
+                if (r == QP) chunk_scores(QP, D, chunk, qm, sm, Lp, l0, fn);
+                else if (r == 1) chunk_scores(1, D, chunk, qm, sm, Lp, l0, fn);
 #if QP > 2
-                else if (r == 2) chunk_scores(2, D, chunk, qm, sm, Lp, l0);
-                else chunk_scores(3, D, chunk, qm, sm, Lp, l0);
+                else if (r == 2) chunk_scores(2, D, chunk, qm, sm, Lp, l0, fn);
+                else chunk_scores(3, D, chunk, qm, sm, Lp, l0, fn);
 #endif
             }
         }
@@ -239,28 +249,26 @@ static inline __attribute__((always_inline)) void blocks(
             for (int j = 1; j < VW; j++) most = top[j] > most ? top[j] : most;
             for (int64_t l = 0; l < Lp; l += VW)
                 store(&s[m][l], exp_nonpositive(load(&s[m][l], VW) - most), VW);
-            float total = 0.0f;
-            for (int64_t l = 0; l < L; l++) total += s[m][l];
-            inv[m] = 1.0f / total;
         }
         /* the weighted sum of values: each value row read once per QP queries and two
          * vectors of d */
         for (int64_t m0 = 0; m0 < M; m0 += QP) {
             const int64_t r = M - m0 < QP ? M - m0 : QP;
             float *om = out + b * os[0] + h * os[1] + m0 * os[2];
+            const float *fn = m0 == 0 ? vn : 0;
             for (int64_t i0 = 0; i0 < nd; i0 += 2) {
-                const float *fn = m0 == 0 && i0 == 0 ? vn : 0;
-#define WEIGH(R, TWO) \
-    weigh(R, TWO, L, D, i0, vb, vs[2], &s[m0][0], Lp, inv + m0, om, os[2], fn)
-#define QUERIES(TWO)                      \
-    if (r == QP) WEIGH(QP, TWO);          \
-    else if (r == 1) WEIGH(1, TWO);       \
-    else if (QP > 2 && r == 2) WEIGH(2, TWO); \
-    else WEIGH(QP - 1, TWO);
-                if (nd - i0 >= 2) {
-                    QUERIES(1)
+#define WEIGH(R, TWO, FIRST) \
+    weigh(R, TWO, FIRST, L, D, i0, vb, vs[2], &s[m0][0], Lp, inv + m0, om, os[2], fn)
+#define QUERIES(TWO, FIRST)                      \
+    if (r == QP) WEIGH(QP, TWO, FIRST);          \
+    else if (r == 1) WEIGH(1, TWO, FIRST);       \
+    else if (QP > 2 && r == 2) WEIGH(2, TWO, FIRST); \
+    else WEIGH(QP - 1, TWO, FIRST);
+                const int two = nd - i0 >= 2;
+                if (i0 == 0) {
+                    if (two) { QUERIES(1, 1) } else { QUERIES(0, 1) }
                 } else {
-                    QUERIES(0)
+                    if (two) { QUERIES(1, 0) } else { QUERIES(0, 0) }
                 }
 #undef QUERIES
 #undef WEIGH
@@ -420,6 +428,38 @@ void best_extensions(int64_t N, int64_t beams, int64_t V, int64_t k, int threads
     for (int64_t n = 0; n < N; n++)
         best_of_sentence(beams, V, k, lp + n * beams * V, scores + n * beams, tv + n * k,
                          ti + n * k);
+}
+
+/* log_softmax of R rows of V floats (contiguous), in place: each row's maximum, the sum of
+ * exp(x - max) and x - (max + log(sum)), three passes over a row while it is in cache.
+ * Why not torch's: a step's (rows, V) logits are the largest tensor of a step (several
+ * MB), and torch's AVX2 kernel takes several times as long as these passes. No NaN (a
+ * model's logits). `threads` > 1 splits the rows. */
+void log_softmax(int64_t R, int64_t V, int threads, float *x) {
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && R >= 2 * threads)
+    for (int64_t r = 0; r < R; r++) {
+        float *row = x + r * V;
+        const int64_t whole = V / VW * VW;
+        vf top = splat(-__builtin_inff());
+        for (int64_t v = 0; v < whole; v += VW) {
+            const vf a = *(const vfu *)(row + v);
+            top = pick(a > top, a, top);
+        }
+        float most = top[0];
+        for (int j = 1; j < VW; j++) most = top[j] > most ? top[j] : most;
+        for (int64_t v = whole; v < V; v++) most = row[v] > most ? row[v] : most;
+        vf acc = splat(0.0f);
+        for (int64_t v = 0; v < whole; v += VW) acc += exp_nonpositive(*(const vfu *)(row + v) - most);
+        if (whole < V) { /* the last few, -inf (weight 0) past the row's end */
+            float tail[VW];
+            for (int j = 0; j < VW; j++) tail[j] = whole + j < V ? row[whole + j] : -__builtin_inff();
+            acc += exp_nonpositive(*(const vfu *)tail - most);
+        }
+        const float lse = most + __builtin_logf(sum(acc));
+        for (int64_t v = 0; v < whole; v += VW) *(vfu *)(row + v) = *(const vfu *)(row + v) - lse;
+        for (int64_t v = whole; v < V; v++) row[v] -= lse;
+    }
 }
 
 /* LayerNorm(x + y) of R rows of D floats, D a multiple of 16 (x, y, out contiguous; `out`

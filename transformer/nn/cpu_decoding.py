@@ -196,18 +196,31 @@ def add_norm(x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, eps: float) -> 
     return y
 
 
+def log_softmax_(x: Tensor) -> Tensor | None:
+    """torch.log_softmax(x, -1) written over x (..., V), contiguous fp32 on a CPU without
+    gradients, no NaN (a step's logits); torch's to ~1e-6; None where the kernel does not
+    take x or could not be built."""
+    lib, threads = _ready()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    lib.log_softmax(x.numel() // x.size(-1), x.size(-1), threads, x.data_ptr())
+    return x
+
+
 def linear(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor | None:
     """x (..., K) w^T + bias for a weight w (n, K) packed as tile_keys(w), (ceil(n / 16), K,
     16), on a CPU without gradients (kernels.Linear.panels sees to both): F.linear's to
     rounding; None where the kernel does not take these inputs (x not contiguous fp32, a
     bias not contiguous) or could not be built. Few checks: it runs 13 times a step."""
     lib, threads = _ready()
-    k = x.size(-1)
+    *rows, k = x.shape
     if lib is None or x.dtype != torch.float32 or not x.is_contiguous():
         return None
     if panels.shape != (-(-n // TILE), k, TILE) or (bias is not None and not bias.is_contiguous()):
         return None
-    y = x.new_empty(*x.shape[:-1], n)
+    y = x.new_empty((*rows, n))
     lib.linear(
         x.numel() // k, n, k, threads, x.data_ptr(), k, panels.data_ptr(),
         None if bias is None else bias.data_ptr(), y.data_ptr(), n,
@@ -283,27 +296,26 @@ def _ready() -> tuple[ctypes.CDLL | None, int]:
 
 
 def _takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    if q.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+    (qs, ks, vs), f32 = (q.shape, k.shape, v.shape), torch.float32
+    if len(qs) != 4 or len(vs) != 4 or qs[:2] != ks[:2] or ks[:2] != vs[:2]:
         return False
-    (m, d), (n, d_v) = q.shape[2:], v.shape[2:]
+    (m, d), (n, d_v) = qs[2:], vs[2:]
     if not (d == d_v <= MAX_HEAD and m <= MAX_QUERIES and 0 < n <= MAX_KEYS):
         return False
-    f32 = torch.float32
-    if not (q.dtype == k.dtype == v.dtype == f32 and q.device.type == k.device.type == "cpu"):
+    if not (q.dtype == k.dtype == v.dtype == f32 and q.is_cpu and k.is_cpu and v.is_cpu):
         return False
-    if k.dim() == 5:  # tiles (..., >= ceil(L / 16), d_k, 16), each contiguous
-        tiles = k.shape[2:] == (k.size(2), d, TILE) and k.size(2) * TILE >= n
-        if not (tiles and k.stride(4) == 1 and k.stride(3) == TILE):
+    if len(ks) == 5:  # tiles (..., >= ceil(L / 16), d_k, 16), each contiguous
+        if ks[3:] != (d, TILE) or ks[2] * TILE < n or k.stride()[3:] != (TILE, 1):
             return False
-    elif k.shape != v.shape:
+    elif ks != vs:
         return False
     if d > 1 and not (q.stride(3) == k.stride(-1) == v.stride(3) == 1):  # rows contiguous
         return False
     return mask is None or (
         mask.dtype in (f32, torch.bool)
-        and mask.device.type == "cpu"
+        and mask.is_cpu
         and mask.dim() <= 4
-        and mask.size(-1) == n  # not broadcast along the keys
+        and mask.shape[-1] == n  # not broadcast along the keys
         and (mask.dtype == torch.bool or n == 1 or mask.stride(-1) == 1)  # bool: converted
     )
 
@@ -383,7 +395,9 @@ def _load(name: str) -> tuple[ctypes.CDLL, bool]:
         f32 = ctypes.c_float
         lib.add_norm.argtypes = [i64, i64, ctypes.c_int] + [ptr] * 4 + [f32, ptr]
         lib.linear.argtypes = [i64] * 3 + [ctypes.c_int, ptr, i64] + [ptr] * 3 + [i64]
-        for f in (lib.attend, lib.best_extensions, lib.move_slots, lib.add_norm, lib.linear):
+        lib.log_softmax.argtypes = [i64, i64, ctypes.c_int, ptr]
+        kernels = (lib.attend, lib.best_extensions, lib.move_slots, lib.add_norm, lib.linear)
+        for f in (*kernels, lib.log_softmax):
             f.restype = None
         return lib, bool(openmp)
     raise OSError(f"{cc} failed: {error.strip()}")
@@ -403,7 +417,7 @@ def _build(cc: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [cc, *flags, str(SOURCE), "-o", tmp]
+        cmd = [cc, *flags, str(SOURCE), "-o", tmp, "-lm"]
         subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
         os.replace(tmp, path)
     finally:

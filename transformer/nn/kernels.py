@@ -32,6 +32,10 @@ cpu_decoding's C kernel, which runs there (its docstring says where it declines 
 runs then: the two products); and under a CPU's bf16 autocast, where it runs in fp32
 (`attention`'s comment says why).
 
+A decoding step's log-probabilities (`log_softmax_`): the logits' log_softmax in
+cpu_decoding's C on a CPU without gradients, where the logits are the largest tensor of a
+step and torch's AVX2 kernel takes several times as long; torch's anywhere else.
+
 Residual connections (`add_norm`): LayerNorm(x + y) in one pass of cpu_decoding's C on a
 CPU without gradients (decoding, validation), where torch's add and layer_norm take two ops
 and more passes over a decoding step's rows; torch's ops anywhere else.
@@ -78,7 +82,7 @@ CPU_PATHS = True
 
 def cpu_path(t: Tensor) -> bool:
     """Whether `t` takes this module's CPU paths (see CPU_PATHS)."""
-    return CPU_PATHS and t.device.type == "cpu"
+    return CPU_PATHS and t.is_cpu
 
 
 def c_path(t: Tensor) -> bool:
@@ -197,6 +201,14 @@ def add_norm(x: Tensor, y: Tensor, norm: nn.LayerNorm) -> Tensor:
     return norm(x + y) if out is None else out
 
 
+def log_softmax_(x: Tensor) -> Tensor:
+    """torch.log_softmax(x, -1) written over x (contiguous): cpu_decoding's passes over
+    each row on a CPU path outside compiled code without gradients (a decoding step's
+    logits), torch's elsewhere."""
+    out = cpu_decoding.log_softmax_(x) if c_path(x) else None
+    return torch.log_softmax(x, dim=-1, out=x) if out is None else out
+
+
 def describe(device: torch.device | str) -> str:
     """One line for a log: what runs the matrix products."""
     if torch.device(device).type == "cpu" and ONEDNN:
@@ -219,9 +231,8 @@ def _packed(x: Tensor) -> bool:
     """Products for cpu_decoding's packed weights: on a CPU path outside compiled code and
     autocast (whose products are bf16), where its kernels run; with oneDNN (ONEDNN) only
     those of fewer than ONEDNN_MIN_ROWS rows, without it all (see the module docstring)."""
-    few = not ONEDNN or x.numel() < ONEDNN_MIN_ROWS * x.size(-1)
-    cpu = few and c_path(x) and not torch.is_autocast_enabled("cpu")
-    return cpu and cpu_decoding.available()
+    few = not ONEDNN or x.numel() < ONEDNN_MIN_ROWS * x.shape[-1]
+    return few and c_path(x) and cpu_decoding.available() and not torch.is_autocast_enabled("cpu")
 
 
 def _few_queries(q: Tensor, k: Tensor, v: Tensor) -> bool:
