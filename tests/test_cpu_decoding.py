@@ -118,34 +118,38 @@ def test_a_masked_key_changes_nothing_wherever_it_sits(build):
 
 
 def test_threads_split_the_blocks_not_the_sums(build, monkeypatch):
+    """Each kernel with 3 threads gives what it gives with one, bitwise; inputs large enough
+    for the kernels to split them (a small one runs on one thread: cpu_decoding.c's team)."""
     if not cpu_decoding._parallel:
         pytest.skip("built without OpenMP: runs with one thread only")
-    q, k, v = inputs(b=16, n=40)
-    mask = additive(torch.rand(16, 1, 4, 40) < 0.6)
+    q, k, v = inputs(b=64, n=100)
+    mask = additive(torch.rand(64, 1, 4, 100) < 0.6)
     threads = torch.get_num_threads()
-    x, y, norm = torch.randn(50, 64), torch.randn(50, 64), torch.nn.LayerNorm(64)
+    x, y, norm = torch.randn(3200, 64), torch.randn(3200, 64), torch.nn.LayerNorm(64)
     add_norm = lambda: cpu_decoding.add_norm(x, y.clone(), norm.weight, norm.bias, norm.eps)
-    w = torch.randn(384, 64)
+    w, logits = torch.randn(384, 64), torch.randn(100, 1000)
     product = lambda: cpu_decoding.linear(x, cpu_decoding.tile_keys(w), None, 384)
     try:
         torch.set_num_threads(1)
         one = cpu_decoding.attend(q, k, v, mask)
         with torch.no_grad():
             normed, multiplied = add_norm(), product()
+            normalized = cpu_decoding.log_softmax_(logits.clone())
         torch.set_num_threads(3)
         assert torch.equal(cpu_decoding.attend(q, k, v, mask), one)
-        tiles = torch.zeros(16, 2, 3, 32, 16)  # written and moved by 3 threads
+        tiles = torch.zeros(64, 2, 7, 32, 16)  # written and moved by 3 threads
         cpu_decoding.put_slots(tiles, k, 0)
         assert torch.equal(cpu_decoding.attend(q, tiles, v, mask), one)
-        cpu_decoding.keep_slots(tiles, torch.arange(1, 40).expand(16, 39))
-        assert torch.equal(cpu_decoding.untile_keys(tiles, 39), k[:, :, 1:])
-        values = torch.zeros(16, 2, 40, 32)
+        cpu_decoding.keep_slots(tiles, torch.arange(1, 100).expand(64, 99))
+        assert torch.equal(cpu_decoding.untile_keys(tiles, 99), k[:, :, 1:])
+        values = torch.zeros(64, 2, 100, 32)
         cpu_decoding.put_slots(values, v, 0)
-        cpu_decoding.keep_slots(values, torch.arange(1, 40).expand(16, 39))
-        assert torch.equal(values[:, :, :39], v[:, :, 1:])
+        cpu_decoding.keep_slots(values, torch.arange(1, 100).expand(64, 99))
+        assert torch.equal(values[:, :, :99], v[:, :, 1:])
         with torch.no_grad():
             assert torch.equal(add_norm(), normed)
             assert torch.equal(product(), multiplied)
+            assert torch.equal(cpu_decoding.log_softmax_(logits.clone()), normalized)
     finally:
         torch.set_num_threads(threads)
 
@@ -478,7 +482,7 @@ def test_ties_go_to_the_lower_position(build):
 def test_threads_split_the_sentences_not_a_sentence(build, monkeypatch):
     if not cpu_decoding._parallel:
         pytest.skip("built without OpenMP: one thread only")
-    lprobs, scores = candidates(9, 4, 300)
+    lprobs, scores = candidates(9, 4, 30000)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -122,6 +122,15 @@ static inline vf exp_nonpositive(vf x) {
     return pick(low, splat(0.0f), p * two_n);
 }
 
+/* The threads for `work` (about a multiply-add each) split into `parts`: all of them where
+ * each gets a share worth waking it for, else one. A parallel region costs a thread's
+ * wake-up, which on a busy machine (its cores shared) is far longer than a spinning
+ * team's hand-over; a decoding step makes dozens of small calls. */
+#define MIN_WORK (1 << 18)
+static inline int team(int threads, int64_t work, int64_t parts) {
+    return threads > 1 && parts >= 2 * threads && work >= MIN_WORK * threads ? threads : 1;
+}
+
 /* n floats from p on their way to L2 */
 static inline void fetch(const float *p, int64_t n) {
 #ifdef NOFETCH
@@ -304,7 +313,8 @@ void attend(int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int tiled, fl
             int threads, const float *q, const float *k, const float *v, const float *mask,
             float *out, const int64_t *st) {
     const int64_t n = B * H;
-    if (threads <= 1 || n < 2 * threads) {
+    threads = team(threads, n * M * L * D * 2, n);
+    if (threads == 1) {
         range(0, n, H, M, L, D, tiled, scale, q, k, v, mask, out, st);
         return;
     }
@@ -336,9 +346,9 @@ static inline __attribute__((always_inline)) void copy_slot(float *to, const flo
 void move_slots(int64_t B, int64_t H, int64_t n, int64_t D, int tiled, int threads,
                 float *dest, const int64_t *ds, const float *rows, const int64_t *rs,
                 int64_t start, const int64_t *from) {
+    threads = team(threads, B * H * n * D * 16, B * H); /* a cache line a key's float */
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if (threads > 1 && B * H >= 2 * threads)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H;
         float *t = dest + b * ds[0] + h * ds[1];
@@ -423,8 +433,9 @@ static void best_of_sentence(int64_t beams, int64_t V, int64_t k, const float *l
  * (log-softmax outputs, -inf where banned). `threads` > 1 splits the sentences. */
 void best_extensions(int64_t N, int64_t beams, int64_t V, int64_t k, int threads,
                      const float *lp, const float *scores, float *tv, int64_t *ti) {
-    (void)threads; /* without OpenMP */
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N >= 2 * threads)
+    threads = team(threads, N * beams * V, N);
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t n = 0; n < N; n++)
         best_of_sentence(beams, V, k, lp + n * beams * V, scores + n * beams, tv + n * k,
                          ti + n * k);
@@ -436,8 +447,9 @@ void best_extensions(int64_t N, int64_t beams, int64_t V, int64_t k, int threads
  * MB), and torch's AVX2 kernel takes several times as long as these passes. No NaN (a
  * model's logits). `threads` > 1 splits the rows. */
 void log_softmax(int64_t R, int64_t V, int threads, float *x) {
-    (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && R >= 2 * threads)
+    threads = team(threads, R * V * 8, R); /* exp's polynomial, three passes */
+    (void)threads;                         /* without OpenMP */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t r = 0; r < R; r++) {
         float *row = x + r * V;
         const int64_t whole = V / VW * VW;
@@ -468,8 +480,9 @@ void log_softmax(int64_t R, int64_t V, int threads, float *x) {
  * hundred rows. `threads` > 1 splits the rows. */
 void add_norm(int64_t R, int64_t D, int threads, const float *x, const float *y,
               const float *w, const float *b, float eps, float *out) {
+    threads = team(threads, R * D * 4, R);
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && R >= 2 * threads)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t r = 0; r < R; r++) {
         const float *xr = x + r * D, *yr = y + r * D;
         float *o = out + r * D;
@@ -568,7 +581,7 @@ void linear(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_
             const float *p, const float *b, float *y, int64_t ys) {
     const int64_t groups = (N + PANELS * T - 1) / (PANELS * T);
     const int64_t fit = PANEL_BLOCK / (K * PANELS * T), block = fit > 1 ? fit : 1;
-    const int nt = threads > 1 && groups >= 2 * threads ? threads : 1;
+    const int nt = team(threads, M * N * K, groups);
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
         const int64_t last = groups * (t + 1) / nt;
