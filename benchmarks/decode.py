@@ -79,7 +79,7 @@ class EndsWithSource(nn.Module):
     def __init__(self, model: Transformer):
         super().__init__()
         self.model, self.cfg = model, model.cfg
-        self._wanted: tuple[Tensor, int, Tensor] | None = None  # (padding, rows, wanted)
+        self._wanted: tuple[Tensor, int, Tensor, Tensor] | None = None
 
     def encode(self, src):
         return self.model.encode(src)
@@ -90,22 +90,27 @@ class EndsWithSource(nn.Module):
     def decode(self, tgt_in, memory, src_padding, cache=None):
         start = 0 if cache is None else cache.length  # before decode(), which may advance it
         logits = self.model.decode(tgt_in, memory, src_padding, cache).float()  # (B, T, V)
+        wanted, eos = self._wanted_of(src_padding, tgt_in.size(0))
+        if isinstance(start, int) and tgt_in.size(1) == 1:  # a cached step: one copy
+            logits[:, 0, EOS] = eos[:, min(start, eos.size(1) - 1)]
+            return logits
         made = start  # tokens before each new position: (T,), or the one's
         if tgt_in.size(1) > 1:
             made = start + torch.arange(tgt_in.size(1), device=logits.device)
-        logits[..., EOS] = torch.where(
-            made >= self._wanted_of(src_padding, tgt_in.size(0)), 30.0, -30.0
-        )
+        logits[..., EOS] = torch.where(made >= wanted, 30.0, -30.0)
         return logits
 
-    def _wanted_of(self, padding: Tensor, rows: int) -> Tensor:
-        """(B, 1): each target row's source subwords. Each source row serves B / B'
-        consecutive target rows (beam search's hypotheses)."""
+    def _wanted_of(self, padding: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+        """(B, 1): each target row's source subwords, and (B, W) the EOS logit after each
+        number of tokens made (the last column for any more). Each source row serves
+        B / B' consecutive target rows (beam search's hypotheses)."""
         if self._wanted is None or self._wanted[0] is not padding or self._wanted[1] != rows:
             wanted = (~padding).sum(1) - 1  # (B',)
             wanted = wanted.repeat_interleave(rows // wanted.size(0)).unsqueeze(1)
-            self._wanted = (padding, rows, wanted)
-        return self._wanted[2]
+            made = torch.arange(padding.size(1) + 1, device=padding.device)
+            eos = torch.where(made >= wanted, 30.0, -30.0)
+            self._wanted = (padding, rows, wanted, eos)
+        return self._wanted[2:]
 
 
 def wmt_like_sources(n: int, vocab: int, seed: int) -> list[list[int]]:

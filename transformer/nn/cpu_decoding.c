@@ -572,11 +572,11 @@ static void group_rows(int64_t j, int64_t m0, int64_t m1, int64_t N, int64_t K, 
     }
 }
 
-/* Each thread takes a run of panel groups, PANEL_BLOCK floats of weights at a time (they
- * stay in L2 while every row passes over them, ROWS rows at a time from L1), so that the
- * weights come from memory once a call, and a step's rows (up to thousands) once for
- * each block of panels, not for each panel. */
-#define PANEL_BLOCK 32768
+/* Each thread takes a run of panel groups, PANEL_BLOCK floats of weights at a time (half
+ * a 512 KB L2: they stay there while every row passes over them, ROWS rows at a time from
+ * L1), so that the weights come from memory once a call, and a step's rows (up to
+ * thousands) once for each block of panels, not for each panel. */
+#define PANEL_BLOCK 65536
 void linear(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t xs,
             const float *p, const float *b, float *y, int64_t ys) {
     const int64_t groups = (N + PANELS * T - 1) / (PANELS * T);

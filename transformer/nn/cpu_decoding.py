@@ -127,21 +127,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     lib, threads = _ready()
     if lib is None or not _takes(q, k, v, mask):
         return None
-    (b, h, m, d), n, tiled = q.shape, v.size(2), k.dim() == 5
-    out = q.new_empty(b, m, h, d).transpose(1, 2)
-    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0, *out.stride()[:3]]
+    (b, h, m, d), n, tiled = q.shape, v.shape[2], k.dim() == 5
+    out = q.new_empty(b, m, h, d)  # returned as (b, h, m, d): strides (m h d, d, h d)
+    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0, m * h * d, d, h * d]
     if mask is not None:
         if mask.dtype == torch.bool:  # additive
             mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-        mask = mask.expand(b, h, m, n)
-        strides[9:13] = mask.stride()
+        broadcast = zip(mask.shape, mask.stride(), strict=True)  # a dimension of 1: stride 0
+        strides[13 - mask.dim() : 13] = [0 if size == 1 else step for size, step in broadcast]
     lib.attend(
         b, h, m, n, d, tiled, d**-0.5, threads,
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
         None if mask is None else mask.data_ptr(), out.data_ptr(),
         (ctypes.c_int64 * 16)(*strides),
     )  # fmt: skip
-    return out
+    return out.transpose(1, 2)
 
 
 def best_extensions(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
@@ -181,14 +181,13 @@ def add_norm(x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, eps: float) -> 
     caller's to overwrite); None where the kernel does not take these inputs (anything but
     contiguous fp32 on a CPU without gradients, D a multiple of 16) or could not be built."""
     lib, threads = _ready()
-    d, tensors = x.size(-1), (x, y, weight, bias)
+    d, tensors = x.shape[-1], (x, y, weight, bias)
     if lib is None or x.shape != y.shape or d % TILE or not weight.shape == bias.shape == (d,):
         return None
-    for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            return None
-        if t.requires_grad and torch.is_grad_enabled():
-            return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors):
+        return None
     lib.add_norm(
         x.numel() // d, d, threads, x.data_ptr(), y.data_ptr(), weight.data_ptr(),
         bias.data_ptr(), eps, y.data_ptr(),
@@ -201,11 +200,12 @@ def log_softmax_(x: Tensor) -> Tensor | None:
     gradients, no NaN (a step's logits); torch's to ~1e-6; None where the kernel does not
     take x or could not be built."""
     lib, threads = _ready()
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+    if lib is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
         return None
-    if not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled()):
+    if x.requires_grad and torch.is_grad_enabled():
         return None
-    lib.log_softmax(x.numel() // x.size(-1), x.size(-1), threads, x.data_ptr())
+    v = x.shape[-1]
+    lib.log_softmax(x.numel() // v, v, threads, x.data_ptr())
     return x
 
 
@@ -221,10 +221,10 @@ def linear(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor | N
     if panels.shape != (-(-n // TILE), k, TILE) or (bias is not None and not bias.is_contiguous()):
         return None
     y = x.new_empty((*rows, n))
+    b = None if bias is None else bias.data_ptr()
     lib.linear(
-        x.numel() // k, n, k, threads, x.data_ptr(), k, panels.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), n,
-    )  # fmt: skip
+        y.numel() // n, n, k, threads, x.data_ptr(), k, panels.data_ptr(), b, y.data_ptr(), n
+    )
     return y
 
 
