@@ -12,6 +12,13 @@ same weights (hf-beam: the model that `transformer.export --format huggingface` 
     python -m benchmarks.decode --model model.pt --threads 1     # a trained model
     python -m benchmarks.decode --configs base --device cuda --modes beam,beam-static \
         --sentences 2000 --ops                                   # and host ops per step
+    python -m benchmarks.decode --kernels portable --threads 1  # another build of the C kernels
+
+On a CPU the report names the CPU, its instruction sets and the build of the C decoding
+kernels that ran (transformer/nn/cpu_decoding.py: avx512, avx2, portable, or torch's ops
+alone); --kernels runs another build, any that this CPU can run (torch: none), so that one
+machine measures each path. Torch's own ops follow the CPU (ATEN_CPU_CAPABILITY=avx2, set
+before the run, makes an AVX-512 CPU's torch run its AVX2 code as well).
 
 Models have random weights (speed does not depend on them), sources are random token ids
 with WMT-like lengths (lognormal, mean ~27 subwords, tail clipped at 250), batched as
@@ -41,6 +48,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +58,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.measure import sync
+from transformer.cli import ArgumentParser
 from transformer.config import DecodeConfig, load_params
 from transformer.decoding.search import beam_search, greedy_search
 from transformer.decoding.translate import batch_by_tokens, load_translator, pad_batch
@@ -71,7 +80,7 @@ class EndsWithSource(nn.Module):
     def __init__(self, model: Transformer):
         super().__init__()
         self.model, self.cfg = model, model.cfg
-        self._wanted: tuple[Tensor, int, Tensor] | None = None  # (padding, rows, wanted)
+        self._wanted: tuple[Tensor, int, Tensor, Tensor] | None = None
 
     def encode(self, src):
         return self.model.encode(src)
@@ -82,22 +91,27 @@ class EndsWithSource(nn.Module):
     def decode(self, tgt_in, memory, src_padding, cache=None):
         start = 0 if cache is None else cache.length  # before decode(), which may advance it
         logits = self.model.decode(tgt_in, memory, src_padding, cache).float()  # (B, T, V)
+        wanted, eos = self._wanted_of(src_padding, tgt_in.size(0))
+        if isinstance(start, int) and tgt_in.size(1) == 1:  # a cached step: one copy
+            logits[:, 0, EOS] = eos[:, min(start, eos.size(1) - 1)]
+            return logits
         made = start  # tokens before each new position: (T,), or the one's
         if tgt_in.size(1) > 1:
             made = start + torch.arange(tgt_in.size(1), device=logits.device)
-        logits[..., EOS] = torch.where(
-            made >= self._wanted_of(src_padding, tgt_in.size(0)), 30.0, -30.0
-        )
+        logits[..., EOS] = torch.where(made >= wanted, 30.0, -30.0)
         return logits
 
-    def _wanted_of(self, padding: Tensor, rows: int) -> Tensor:
-        """(B, 1): each target row's source subwords. Each source row serves B / B'
-        consecutive target rows (beam search's hypotheses)."""
+    def _wanted_of(self, padding: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+        """(B, 1): each target row's source subwords, and (B, W) the EOS logit after each
+        number of tokens made (the last column for any more). Each source row serves
+        B / B' consecutive target rows (beam search's hypotheses)."""
         if self._wanted is None or self._wanted[0] is not padding or self._wanted[1] != rows:
             wanted = (~padding).sum(1) - 1  # (B',)
             wanted = wanted.repeat_interleave(rows // wanted.size(0)).unsqueeze(1)
-            self._wanted = (padding, rows, wanted)
-        return self._wanted[2]
+            made = torch.arange(padding.size(1) + 1, device=padding.device)
+            eos = torch.where(made >= wanted, 30.0, -30.0)
+            self._wanted = (padding, rows, wanted, eos)
+        return self._wanted[2:]
 
 
 def wmt_like_sources(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -342,44 +356,59 @@ def bench(name, model: Transformer, sources, pieces, cfg, args, random_weights: 
             go[mode] = lambda s, m=mode: run(searcher, s, cfg, m, args.device)
         go[mode](sources[:16])  # warm-up
     # Each mode's best of --repeat rounds, the modes taking turns within a round: on a shared
-    # machine a neighbour's load slows some runs down and never speeds one up.
-    best = {}
+    # machine a neighbour's load slows some runs down and never speeds one up. Ratios are
+    # also taken round by round, between runs that followed each other, of seconds and of
+    # the process's CPU seconds (which a neighbour's load changes less).
+    rounds = {mode: [] for mode in modes}
     for _ in range(args.repeat):
         for mode in modes:
-            result = go[mode](sources)  # (seconds, tokens, outputs)
-            best[mode] = min(best.get(mode, result), result, key=lambda r: r[0])
+            cpu = time.process_time()
+            seconds, tokens, outputs = go[mode](sources)
+            rounds[mode].append((seconds, tokens, outputs, time.process_time() - cpu))
+    best = {mode: min(results, key=lambda r: r[0]) for mode, results in rounds.items()}
     ours = [m for m in modes if not m.startswith(("ct2", "hf"))]
     per_step = lambda m: f"{ops_per_step(searcher, sources, cfg, m, args.device):.1f}"
     ops = {m: per_step(m) for m in ours} if args.ops else {}
-    for mode, (seconds, tokens, _) in best.items():
+    for mode, (seconds, tokens, *_) in best.items():
         print(
             f"{mode:<16}{seconds:>9.2f}{len(sources) / seconds:>9.1f}{tokens / seconds:>10.0f}"
             f"{tokens / len(sources):>10.1f}{ops.get(mode, ''):>10}"
         )
-    compare(best, len(sources), random_weights)
+    compare(rounds, len(sources), random_weights)
 
 
-def compare(results: dict, n: int, random_weights: bool) -> None:
-    """Ours against CTranslate2, mode by mode: speed, and (trained model) equal outputs."""
+def compare(rounds: dict, n: int, random_weights: bool) -> None:
+    """Ours against CTranslate2, mode by mode: speed (the ratio of the bests, and of each
+    round's two runs: min / median / max), and (trained model) equal outputs."""
     pairs = [("beam", "ct2-beam"), ("beam-static", "ct2-beam"), ("beam-early", "ct2-beam")]
     pairs += [("greedy", "ct2-greedy"), ("beam", "hf-beam"), ("beam-early", "hf-beam")]
-    pairs = [pair for pair in pairs if set(pair) <= results.keys()]
+    pairs = [pair for pair in pairs if set(pair) <= rounds.keys()]
     for ours, theirs in pairs:
-        (ours_s, _, ours_out), (theirs_s, _, theirs_out) = results[ours], results[theirs]
+        (ours_s, _, ours_out, _), (theirs_s, _, theirs_out, _) = (
+            min(rounds[mode], key=lambda r: r[0]) for mode in (ours, theirs)
+        )
         peer = "ctranslate2" if theirs.startswith("ct2") else "marian"
         line = f"ours / {peer} sent/s, {ours} / {theirs}: {theirs_s / ours_s:.2f}"
+        if len(rounds[ours]) > 1:
+            pairs = list(zip(rounds[ours], rounds[theirs], strict=True))
+            line += f" (best of each); round by round {spread([t[0] / o[0] for o, t in pairs])}"
+            line += f", CPU seconds {spread([t[3] / o[3] for o, t in pairs])}"
         if not random_weights:
             line += f"; outputs equal to ours: {sum(map(list.__eq__, ours_out, theirs_out))}/{n}"
         print(line)
-    if any(m.startswith(("ct2", "hf")) for m in results):
+    if any(m.startswith(("ct2", "hf")) for m in rounds):
         print(DIFFERENCES)
         if random_weights:
             print("  Random weights: every output of both ends at its (evened) source's length.")
 
 
+def spread(values: list[float]) -> str:
+    return f"min {min(values):.2f} median {statistics.median(values):.2f} max {max(values):.2f}"
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--configs",
         default="smoke,base,big" if cuda else "smoke",
@@ -401,6 +430,12 @@ def main() -> None:
         help="CPU threads (default: torch's; use 1 on a "
         "shared machine, where spinning threads slow each other down)",
     )
+    p.add_argument(
+        "--kernels",
+        choices=(*cpu_decoding.BUILDS, "torch"),
+        help="the build of the C decoding kernels on a CPU (default: the fastest this CPU "
+        "runs); torch: none, torch's ops only",
+    )
     args = p.parse_args()
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: at least 1 round")
@@ -408,10 +443,16 @@ def main() -> None:
         p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     if "ct2" in args.modes and importlib.util.find_spec("ctranslate2") is None:
         p.error("the ct2-* modes need ctranslate2 (pip install 'ctranslate2>=4,<5'); see --modes")
+    if args.kernels:
+        try:
+            cpu_decoding.select(args.kernels)
+        except ValueError as e:
+            p.error(f"--kernels {args.kernels}: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     if args.device == "cpu":
+        print(cpu_decoding.describe_cpu())
         print(cpu_decoding.describe())
     if args.model:
         bench_model(args.model, args)

@@ -1,16 +1,21 @@
-"""transformer.nn.cpu_decoding: a decoding step's attention in C on a CPU is SDPA's result,
-the same bitwise wherever masked keys sit, however many threads run it and whether the keys
-come as rows or in tiles (the decoding cache's layout); the beam's best
-candidates in C are torch's add and topk; both decline what they were not built for;
-without a compiler (or with a failing one) decoding falls back to torch's ops with one
-warning; the build is cached; and beam search runs both at every step (attention at every
-call, the encoder's of a short batch too)."""
+"""transformer.nn.cpu_decoding, each build this CPU runs (avx512, avx2, portable: the
+`build` fixture; one this CPU cannot run is skipped, saying so) against torch's ops: a
+decoding step's attention in C on a CPU is SDPA's result (to rtol 1e-5, atol 1e-6), the
+same bitwise wherever masked keys sit, however many threads run it and whether the keys
+come as rows or in tiles (the decoding cache's layout); the beam's best candidates in C are
+torch's add and topk (bitwise); add_norm is LayerNorm of the sum (rtol and atol 1e-5); the
+packed products are F.linear's (rtol 1e-5, atol 1e-4), each row the same bitwise alone or
+among others; all decline what they were not built for; without a compiler (or with a
+failing one) decoding falls back to torch's ops with one warning that says how to get the
+C kernels; a build the CPU cannot run is refused in one line; builds are cached; and beam
+search runs the kernels at every step (attention at every call, the encoder's of a short
+batch too)."""
 
 from __future__ import annotations
 
 import logging
-import platform
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,6 +34,33 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def builds() -> list:
+    """Each build as a test parameter, skipped where this CPU cannot run it."""
+    runs = cpu_decoding.runnable()
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                name not in runs,
+                reason=f"this CPU cannot run the {name} build (it needs "
+                f"{' and '.join(sorted(cpu_decoding.NEEDS[name]))})",
+            ),
+        )
+        for name in cpu_decoding.BUILDS
+    ]
+
+
+@pytest.fixture(params=builds())
+def build(request):
+    """The kernels of this build (the one the CPU would pick, or another it runs), the
+    selection put back afterwards."""
+    saved = cpu_decoding._wanted
+    cpu_decoding.select(request.param)
+    assert cpu_decoding.build() == request.param
+    yield request.param
+    cpu_decoding.select(saved)
+
+
 def inputs(b=3, h=2, m=4, n=37, d=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, h, rows, d, generator=g) for rows in (m, n, n))
@@ -43,7 +75,7 @@ def additive(keep: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("d", [8, 20, 32, 64])
 @pytest.mark.parametrize("m, n", [(1, 1), (4, 5), (4, 16), (8, 37), (4, 200)])
 @pytest.mark.parametrize("masked", ["none", "padding", "per-query", "boolean"])
-def test_the_kernel_is_sdpa(d, m, n, masked):
+def test_the_kernel_is_sdpa(build, d, m, n, masked):
     q, k, v = inputs(m=m, n=n, d=d)
     g = torch.Generator().manual_seed(1)
     mask = {
@@ -57,7 +89,7 @@ def test_the_kernel_is_sdpa(d, m, n, masked):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_it_reads_the_caches_views_where_they_are():
+def test_it_reads_the_caches_views_where_they_are(build):
     """Keys and values as the KV cache hands them over: the filled slots of a larger
     buffer, keys and values halves of one tensor, sentences narrowed."""
     buffer = torch.randn(2, 5, 2, 50, 32)  # (keys and values, sentences, heads, room, d_k)
@@ -68,7 +100,7 @@ def test_it_reads_the_caches_views_where_they_are():
     torch.testing.assert_close(cpu_decoding.attend(q, k, v, mask), want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_masked_key_changes_nothing_wherever_it_sits():
+def test_a_masked_key_changes_nothing_wherever_it_sits(build):
     """What lets the static search (every slot, masked) and the shrinking one (slots
     dropped) agree bitwise: keys that a row does not see, anywhere among those it sees."""
     q, k, v = inputs(n=23)
@@ -85,40 +117,44 @@ def test_a_masked_key_changes_nothing_wherever_it_sits():
     assert torch.equal(cpu_decoding.attend(q, k2, v2, mask2), alone)
 
 
-def test_threads_split_the_blocks_not_the_sums(monkeypatch):
+def test_threads_split_the_blocks_not_the_sums(build, monkeypatch):
+    """Each kernel with 3 threads gives what it gives with one, bitwise; inputs large enough
+    for the kernels to split them (a small one runs on one thread: cpu_decoding.c's team)."""
     if not cpu_decoding._parallel:
         pytest.skip("built without OpenMP: runs with one thread only")
-    q, k, v = inputs(b=16, n=40)
-    mask = additive(torch.rand(16, 1, 4, 40) < 0.6)
+    q, k, v = inputs(b=64, n=100)
+    mask = additive(torch.rand(64, 1, 4, 100) < 0.6)
     threads = torch.get_num_threads()
-    x, y, norm = torch.randn(50, 64), torch.randn(50, 64), torch.nn.LayerNorm(64)
+    x, y, norm = torch.randn(3200, 64), torch.randn(3200, 64), torch.nn.LayerNorm(64)
     add_norm = lambda: cpu_decoding.add_norm(x, y.clone(), norm.weight, norm.bias, norm.eps)
-    w = torch.randn(384, 64)
+    w, logits = torch.randn(384, 64), torch.randn(100, 1000)
     product = lambda: cpu_decoding.linear(x, cpu_decoding.tile_keys(w), None, 384)
     try:
         torch.set_num_threads(1)
         one = cpu_decoding.attend(q, k, v, mask)
         with torch.no_grad():
             normed, multiplied = add_norm(), product()
+            normalized = cpu_decoding.log_softmax_(logits.clone())
         torch.set_num_threads(3)
         assert torch.equal(cpu_decoding.attend(q, k, v, mask), one)
-        tiles = torch.zeros(16, 2, 3, 32, 16)  # written and moved by 3 threads
+        tiles = torch.zeros(64, 2, 7, 32, 16)  # written and moved by 3 threads
         cpu_decoding.put_slots(tiles, k, 0)
         assert torch.equal(cpu_decoding.attend(q, tiles, v, mask), one)
-        cpu_decoding.keep_slots(tiles, torch.arange(1, 40).expand(16, 39))
-        assert torch.equal(cpu_decoding.untile_keys(tiles, 39), k[:, :, 1:])
-        values = torch.zeros(16, 2, 40, 32)
+        cpu_decoding.keep_slots(tiles, torch.arange(1, 100).expand(64, 99))
+        assert torch.equal(cpu_decoding.untile_keys(tiles, 99), k[:, :, 1:])
+        values = torch.zeros(64, 2, 100, 32)
         cpu_decoding.put_slots(values, v, 0)
-        cpu_decoding.keep_slots(values, torch.arange(1, 40).expand(16, 39))
-        assert torch.equal(values[:, :, :39], v[:, :, 1:])
+        cpu_decoding.keep_slots(values, torch.arange(1, 100).expand(64, 99))
+        assert torch.equal(values[:, :, :99], v[:, :, 1:])
         with torch.no_grad():
             assert torch.equal(add_norm(), normed)
             assert torch.equal(product(), multiplied)
+            assert torch.equal(cpu_decoding.log_softmax_(logits.clone()), normalized)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_it_declines_what_it_was_not_built_for():
+def test_it_declines_what_it_was_not_built_for(build):
     q, k, v = inputs()
     keep = torch.rand(3, 1, 4, 37) < 0.5
     assert cpu_decoding.attend(*inputs(m=cpu_decoding.MAX_QUERIES + 1), None) is None
@@ -131,7 +167,7 @@ def test_it_declines_what_it_was_not_built_for():
 @pytest.mark.parametrize(
     "d, m, n", [(8, 4, 5), (32, 4, 16), (32, 8, 37), (64, 1, 200), (20, 3, 33)]
 )
-def test_keys_in_tiles_give_what_rows_give_bitwise(d, m, n):
+def test_keys_in_tiles_give_what_rows_give_bitwise(build, d, m, n):
     """The layout the decoding caches keep their keys in on a CPU (tile_keys): the results
     of the same keys as rows, bitwise, in a larger buffer, whatever the lanes past the last
     key hold."""
@@ -149,7 +185,7 @@ def test_keys_in_tiles_give_what_rows_give_bitwise(d, m, n):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_tiles_the_kernel_was_not_built_for_go_to_torch():
+def test_tiles_the_kernel_was_not_built_for_go_to_torch(build):
     q, k, v = inputs(n=37)
     tiles = cpu_decoding.tile_keys(k)
     assert cpu_decoding.attend(q, tiles[:, :, :2], v, None) is None  # 32 keys, not 37
@@ -162,7 +198,7 @@ def test_tiles_the_kernel_was_not_built_for_go_to_torch():
 
 
 @pytest.mark.parametrize("tiled", [True, False])
-def test_slots_move_into_and_within_a_cache(tiled):
+def test_slots_move_into_and_within_a_cache(build, tiled):
     """put_slots writes new keys or values (rows, any strides) into their slots of keys in
     tiles or values as rows; keep_slots moves each row's kept slots to the front in place,
     as a compaction of the cache does: used slots in order, then unused ones (which no row
@@ -181,7 +217,7 @@ def test_slots_move_into_and_within_a_cache(tiled):
 
 
 @pytest.mark.parametrize("rows, d", [(1, 16), (37, 128), (300, 512)])
-def test_add_norm_is_layer_norm_of_the_sum(rows, d):
+def test_add_norm_is_layer_norm_of_the_sum(build, rows, d):
     """The residual connections' add and LayerNorm in one pass, on a decoding step's shapes:
     torch's to fp32 rounding, each row on its own (as many rows or one), written over y."""
     g = torch.Generator().manual_seed(rows)
@@ -203,11 +239,32 @@ def test_add_norm_is_layer_norm_of_the_sum(rows, d):
     assert cpu_decoding.add_norm(x, y, w, b, eps) is None  # a gradient to keep
 
 
+@pytest.mark.parametrize("rows, vocab", [(1, 5), (3, 40), (37, 1000), (9, 8003)])
+def test_log_softmax_is_torchs(build, rows, vocab):
+    """A step's log-probabilities, written over its logits: torch's to fp32 rounding (rtol
+    1e-6; atol 4e-6, the rounding of the log of the sum of exps on logits of a spread up
+    to 40), each row on its own, -inf where a logit is -inf; it declines what it was not
+    built for."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 8
+    logits[0, 0] = float("-inf")
+    want = torch.log_softmax(logits, -1)
+    got = logits.clone()
+    assert cpu_decoding.log_softmax_(got) is got
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=4e-6)
+    alone = cpu_decoding.log_softmax_(logits[-1:].clone())
+    assert torch.equal(got[-1:], alone) and got[0, 0] == float("-inf")
+    assert cpu_decoding.log_softmax_(logits.double()) is None
+    assert cpu_decoding.log_softmax_(logits[:, ::2]) is None  # not contiguous
+    with torch.enable_grad():
+        assert cpu_decoding.log_softmax_(logits.clone().requires_grad_()) is None
+
+
 @pytest.mark.parametrize(
     "m, n, k", [(1, 16, 32), (5, 40, 32), (8, 384, 128), (13, 1000, 128), (64, 128, 512)]
 )
 @torch.no_grad()
-def test_packed_products_are_f_linear(m, n, k):
+def test_packed_products_are_f_linear(build, m, n, k):
     """cpu_decoding.linear on a weight packed as tile_keys packs keys: F.linear's to fp32
     rounding, with and without a bias, each row's result the same bitwise alone or among
     others; it declines what it was not built for."""
@@ -225,14 +282,12 @@ def test_packed_products_are_f_linear(m, n, k):
 
 
 @torch.no_grad()
-def test_linear_packs_its_weight_for_few_rows_and_again_when_it_changes():
+def test_linear_packs_its_weight_for_few_rows_and_again_when_it_changes(build):
     """kernels.Linear keeps its weight packed for a decoding step's few rows, packs it again
-    after an update in place, and leaves products with gradients or many rows to torch."""
+    after an update in place, and leaves products with gradients to torch, and with oneDNN
+    (AVX-512) those of many rows; with torch's ops alone it packs nothing."""
     layer = kernels.Linear(32, 40)
     x = torch.randn(6, 1, 32)
-    if not kernels.ONEDNN:
-        assert layer.panels(x) is None
-        return
     panels = layer.panels(x)
     assert panels is not None and panels.shape == (3, 32, 16)
     torch.testing.assert_close(
@@ -244,15 +299,18 @@ def test_linear_packs_its_weight_for_few_rows_and_again_when_it_changes():
         layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
     )
     assert layer.panels(x, 16).shape == (1, 32, 16) and layer.panels(x, 20) is None
-    assert layer.panels(torch.randn(kernels.ONEDNN_MIN_ROWS, 32)) is None
+    many = torch.randn(kernels.ONEDNN_MIN_ROWS, 32)
+    assert (layer.panels(many) is None) == kernels.ONEDNN
     with torch.enable_grad():
         assert layer.panels(x) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):  # its products are bf16
         assert layer.panels(x) is None
+    cpu_decoding.select("torch")
+    assert layer.panels(x) is None
 
 
 @torch.no_grad()
-def test_a_cached_step_copies_nothing_in_torch(monkeypatch):
+def test_a_cached_step_copies_nothing_in_torch(build, monkeypatch):
     """After the first step (which stores the encoder-decoder keys), a decoder step with the
     cache on a CPU leaves copies and LayerNorm to C: the attention's heads come out side
     by side for W^O, new keys and values go into the cache by put_slots, each residual's add
@@ -281,14 +339,12 @@ def test_a_cached_step_copies_nothing_in_torch(monkeypatch):
     names = set(ops.names)
     assert not names & {"copy_.default", "clone.default", "native_layer_norm.default"}, names
     products = {"addmm.default", "mm.default", "_linear_pointwise.default"}
-    in_torch = sum(name in products for name in ops.names)
-    assert in_torch + sum(y is not None for y in in_c) == 3 * 13  # 6 a layer, the output's
-    if kernels.ONEDNN:  # AVX-512: 12 rows, all in cpu_decoding's packed products
-        assert in_torch == 0
+    assert not any(name in products for name in ops.names)  # 12 rows: every build packs them
+    assert len(in_c) == 3 * 13 and all(y is not None for y in in_c)  # 6 a layer, the output's
 
 
 @torch.no_grad()
-def test_the_search_keeps_its_keys_in_tiles_and_finds_what_rows_find(monkeypatch):
+def test_the_search_keeps_its_keys_in_tiles_and_finds_what_rows_find(build, monkeypatch):
     """On a CPU the shrinking search's caches (self-attention's, growing, compacted, rows
     dropped as sentences finish; the encoder-decoder keys) hand the kernel tiles, batch
     after batch in one arena, and find bitwise what the same caches find with keys as rows."""
@@ -308,7 +364,7 @@ def test_the_search_keeps_its_keys_in_tiles_and_finds_what_rows_find(monkeypatch
     tiled = [beam_search(model, src, 4, 0.6, 1.0, 30, n_best=2, arena=arena) for src in batches]
     assert set(layouts) == {5} and compactions and all(compactions)
     assert len({len(h[0].tokens) for h in tiled[-1]}) > 2  # sentences leave the batch
-    monkeypatch.setattr(cpu_decoding, "reads_tiles", lambda t: False)
+    monkeypatch.setattr(kernels, "reads_tiles", lambda t: False)
     layouts.clear()
     rows = [beam_search(model, src, 4, 0.6, 1.0, 30, n_best=2, arena=arena) for src in batches]
     assert set(layouts) == {4} and rows == tiled
@@ -320,6 +376,8 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for name, value in (("_library", None), ("_parallel", False), ("_tried", False)):
         monkeypatch.setattr(cpu_decoding, name, value)
+    monkeypatch.setattr(cpu_decoding, "_built", {})
+    monkeypatch.setattr(cpu_decoding, "_wanted", None)
     return tmp_path / "transformer-mt"
 
 
@@ -337,10 +395,12 @@ def test_without_a_compiler_attention_falls_back_with_one_warning(
     assert cpu_decoding.library() is None
     cc = fresh / "no-such-compiler"
     assert [r.getMessage() for r in caplog.records] == [
-        f"decoding on this CPU: torch's ops (no C kernels: {cc} failed: [Errno 2] "
-        f"No such file or directory: '{cc}')"
+        f"decoding on this CPU: torch's ops, the slow path (no C kernels: {cc} failed: "
+        f"[Errno 2] No such file or directory: '{cc}'); a C compiler (gcc or clang; CC "
+        "names another) builds them at first use"
     ]
-    assert "could not be built" in cpu_decoding.describe()
+    assert "could not be built: the slow path" in cpu_decoding.describe()
+    assert cpu_decoding.build() == "torch"
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-6)
     lprobs, scores = candidates(3, 4, 50)
@@ -394,7 +454,7 @@ def torch_topk(lprobs, scores, k):
     "n, beams, vocab, k",
     [(1, 1, 5, 2), (3, 1, 50, 8), (5, 4, 1000, 8), (2, 4, 37, 8), (2, 2, 7, 14), (4, 8, 100, 16)],
 )
-def test_the_best_extensions_are_torchs_topk(n, beams, vocab, k):
+def test_the_best_extensions_are_torchs_topk(build, n, beams, vocab, k):
     lprobs, scores = candidates(n, beams, vocab)
     top, index = cpu_decoding.best_extensions(lprobs, scores, k)
     want = torch_topk(lprobs, scores, k)
@@ -404,7 +464,7 @@ def test_the_best_extensions_are_torchs_topk(n, beams, vocab, k):
     assert torch.equal(index.sort(1).values, want.indices.sort(1).values)
 
 
-def test_ties_go_to_the_lower_position():
+def test_ties_go_to_the_lower_position(build):
     """Equal candidates: a sentence at its maximum length (EOS its only finite token per
     beam), and a row repeated: the lower position first, as the scan meets them."""
     lprobs, scores = candidates(3, 4, 40, at_max=[1])
@@ -419,10 +479,10 @@ def test_ties_go_to_the_lower_position():
     assert index[2].tolist() == [b * 40 + t for t in best for b in range(4)]
 
 
-def test_threads_split_the_sentences_not_a_sentence(monkeypatch):
+def test_threads_split_the_sentences_not_a_sentence(build, monkeypatch):
     if not cpu_decoding._parallel:
         pytest.skip("built without OpenMP: one thread only")
-    lprobs, scores = candidates(9, 4, 300)
+    lprobs, scores = candidates(9, 4, 30000)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -433,7 +493,7 @@ def test_threads_split_the_sentences_not_a_sentence(monkeypatch):
         torch.set_num_threads(threads)
 
 
-def test_the_best_extensions_decline_what_they_were_not_built_for():
+def test_the_best_extensions_decline_what_they_were_not_built_for(build):
     lprobs, scores = candidates(3, 4, 50)
     assert cpu_decoding.best_extensions(lprobs.double(), scores.double(), 8) is None
     assert cpu_decoding.best_extensions(lprobs.t().contiguous().t(), scores, 8) is None
@@ -442,11 +502,17 @@ def test_the_best_extensions_decline_what_they_were_not_built_for():
 
 
 @torch.no_grad()
-def test_beam_search_finds_its_candidates_in_c_at_every_step(monkeypatch):
+def test_beam_search_finds_its_candidates_in_c_at_every_step(build, monkeypatch):
+    """And its log-probabilities: log_softmax in C at every step too."""
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=1, d_model=32, d_ff=64, n_heads=2, dropout=0.0)
     model = Ending(Transformer(cfg, 40).eval(), 1.0)
-    calls, best = [], cpu_decoding.best_extensions
+    calls, normalized, best, log_softmax_ = (
+        [],
+        [],
+        cpu_decoding.best_extensions,
+        cpu_decoding.log_softmax_,
+    )
     steps = []
 
     def spy(*args):
@@ -454,14 +520,18 @@ def test_beam_search_finds_its_candidates_in_c_at_every_step(monkeypatch):
         return calls[-1]
 
     monkeypatch.setattr(cpu_decoding, "best_extensions", spy)
+    monkeypatch.setattr(
+        cpu_decoding, "log_softmax_", lambda x: normalized.append(log_softmax_(x)) or normalized[-1]
+    )
     decode = model.decode
     monkeypatch.setattr(model, "decode", lambda *a, **kw: steps.append(1) or decode(*a, **kw))
     beam_search(model, batch([5, 6, 7], [8, 9]), 4, 0.6, 1.0, 5, static=False)
     assert len(calls) == len(steps) > 1 and all(out is not None for out in calls)
+    assert len(normalized) == len(steps) and all(out is not None for out in normalized)
 
 
 @torch.no_grad()
-def test_beam_search_runs_the_kernel_at_every_step(monkeypatch):
+def test_beam_search_runs_the_kernel_at_every_step(build, monkeypatch):
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=2, d_model=64, d_ff=128, n_heads=2, dropout=0.0)  # d_k 32
     model = Ending(Transformer(cfg, 40).eval(), 1.0)
@@ -476,31 +546,56 @@ def test_beam_search_runs_the_kernel_at_every_step(monkeypatch):
     assert calls and all(out is not None for out in calls)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86 compiler flag")
-def test_without_avx512_the_portable_loops_give_the_same(fresh, monkeypatch):
-    """The C source's loops for CPUs without AVX-512 (this one may have it): built so, the
-    kernels still equal torch's ops."""
-    monkeypatch.setattr(cpu_decoding, "FLAGS", [*cpu_decoding.FLAGS, "-mno-avx512f"])
-    assert cpu_decoding.library() is not None
-    lprobs, scores = candidates(5, 4, 1000, at_max=[2])
-    top, index = cpu_decoding.best_extensions(lprobs, scores, 8)
-    want = torch_topk(lprobs, scores, 8)
-    finite = top > float("-inf")
-    assert torch.equal(top, want.values) and torch.equal(index[finite], want.indices[finite])
-    q, k, v = inputs(n=45)
-    mask = additive(torch.rand(3, 1, 4, 45, generator=torch.Generator().manual_seed(3)) < 0.5)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    got = cpu_decoding.attend(q, k, v, mask)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(cpu_decoding.attend(q, cpu_decoding.tile_keys(k), v, mask), got)
-    x, y, norm = torch.randn(7, 64), torch.randn(7, 64), torch.nn.LayerNorm(64)
-    with torch.no_grad():
-        want = norm(x + y)
-        got = cpu_decoding.add_norm(x, y, norm.weight, norm.bias, norm.eps)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        w = torch.randn(40, 64)
-        got = cpu_decoding.linear(x, cpu_decoding.tile_keys(w), None, 40)
-        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+def test_each_build_is_the_instruction_set_it_names(build):
+    """The flags took: the library says which loops it compiled, as wide as its registers."""
+    lib = cpu_decoding.library()
+    assert lib.build().decode() == build
+    assert lib.lanes() == {"avx512": 16, "avx2": 8, "portable": 4}[build]
+    assert f"{build} build" in cpu_decoding.describe()
+
+
+def test_a_build_this_cpu_cannot_run_is_refused_in_one_line(monkeypatch):
+    """Asked for by name (benchmarks/decode.py --kernels): refused, saying what the CPU
+    lacks and what it runs, before anything is built; the selection stays as it was."""
+    monkeypatch.setattr(cpu_decoding, "cpu_flags", lambda: {"sse2"})
+    before = cpu_decoding.build()
+    for name, missing in (("avx512", "avx512f"), ("avx2", "avx2, fma")):
+        with pytest.raises(ValueError) as refused:
+            cpu_decoding.select(name)
+        message = str(refused.value)
+        assert "\n" not in message
+        assert f"cannot run the {name} build (no {missing})" in message
+        assert message.endswith("it runs: portable, torch")
+    assert cpu_decoding.runnable() == ["portable", "torch"]
+    assert cpu_decoding.build() == before
+
+
+def test_the_decode_benchmark_names_and_forces_the_build(monkeypatch, capsys):
+    """benchmarks/decode.py reports the CPU, its instruction sets and the build that ran;
+    --kernels runs another, and refuses one this CPU cannot run in one line, exit code 2."""
+    from benchmarks import decode
+
+    saved, threads = cpu_decoding._wanted, torch.get_num_threads()
+    argv = ["decode.py", "--threads", "1", "--device", "cpu", "--modes", "beam"]
+    try:
+        monkeypatch.setattr(sys, "argv", [*argv, "--sentences", "2", "--kernels", "portable"])
+        decode.main()
+        out = capsys.readouterr().out
+        assert "decoding on this CPU: C kernels, portable build (4 floats a vector" in out
+        assert "CPU: " in out and "torch's CPU kernels: " in out
+        monkeypatch.setattr(sys, "argv", [*argv, "--kernels", "torch", "--sentences", "2"])
+        decode.main()
+        assert "torch's ops (the C kernels not selected)" in capsys.readouterr().out
+        monkeypatch.setattr(cpu_decoding, "cpu_flags", lambda: {"sse2"})
+        monkeypatch.setattr(sys, "argv", [*argv, "--kernels", "avx2"])
+        with pytest.raises(SystemExit) as refused:
+            decode.main()
+        assert refused.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: --kernels avx2: this CPU cannot run the avx2 build")
+    finally:
+        cpu_decoding.select(saved)
+        torch.set_num_threads(threads)
 
 
 def test_an_openmp_build_that_does_not_load_gives_way_to_one_without(fresh, monkeypatch):

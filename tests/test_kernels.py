@@ -1,18 +1,34 @@
 """transformer.nn.kernels: oneDNN matrix products and uniform-draw dropout on the CPU are
-F.linear and F.dropout in what they compute, forward and backward."""
+F.linear and F.dropout in what they compute, forward and backward; a decoding step's
+attention and products without gradients are SDPA's and F.linear's with each build of
+cpu_decoding's C kernels this CPU runs and with torch's ops alone (the `build` fixture)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cpu_decoding import builds
 
-from transformer.nn import kernels
+from transformer.nn import cpu_decoding, kernels
 from transformer.nn.kernels import Dropout, Linear, linear
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
 )
+ONEDNN = kernels.ONEDNN  # this CPU's, before the `onednn` fixture sets it
+
+
+@pytest.fixture(params=[*builds(), "torch"])
+def build(request):
+    """cpu_decoding's kernels of a build this CPU runs, or none (torch's ops: what runs
+    without a C compiler), the selection put back afterwards."""
+    saved = cpu_decoding._wanted
+    cpu_decoding.select(request.param)
+    if cpu_decoding.build() != request.param:
+        pytest.skip(f"the {request.param} build could not be built here (no C compiler?)")
+    yield request.param
+    cpu_decoding.select(saved)
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +168,7 @@ def test_describe_names_what_runs_the_products():
      ("per-query", True)],
 )  # fmt: skip
 def test_attention_is_sdpa_for_a_decoding_step_and_falls_back_beyond(
-    queries, masked, additive, monkeypatch
+    build, queries, masked, additive, monkeypatch
 ):
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 2, queries, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
@@ -188,3 +204,19 @@ def test_attention_keeps_sdpa_for_training():
     torch.manual_seed(1)
     want = F.scaled_dot_product_attention(q.detach(), k, v, dropout_p=0.5)
     torch.testing.assert_close(dropped, want)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 300])
+@torch.no_grad()
+def test_products_without_gradients_are_f_linear(build, rows, monkeypatch):
+    """A Linear without gradients (decoding, validation): cpu_decoding's packed products
+    where its kernels run (with oneDNN, an AVX-512 CPU's, only below ONEDNN_MIN_ROWS), else
+    torch's; F.linear's to fp32 rounding either way."""
+    monkeypatch.setattr(kernels, "ONEDNN", ONEDNN)
+    monkeypatch.setattr(kernels, "ONEDNN_MIN_ROWS", 256)
+    layer, x = Linear(64, 40), torch.randn(rows, 1, 64)
+    packed = build != "torch" and not (ONEDNN and rows >= 256)
+    assert (layer.panels(x) is not None) == packed
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4
+    )

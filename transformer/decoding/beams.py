@@ -18,7 +18,7 @@ from torch import Tensor
 
 from transformer.nn import cpu_decoding
 from transformer.nn.attention import attention_context
-from transformer.nn.kernels import c_path
+from transformer.nn.kernels import c_path, log_softmax_
 from transformer.nn.kv_cache import Shrink, StaticKVCache
 from transformer.tokens import BOS, EOS, PAD
 
@@ -118,7 +118,7 @@ def _log_softmax_(logits: Tensor) -> Tensor:
     more than the pass itself."""
     if not logits.is_contiguous():
         return F.log_softmax(logits, dim=-1)
-    return torch.log_softmax(logits, dim=-1, out=logits)
+    return log_softmax_(logits)
 
 
 def _fp32(logits: Tensor) -> Tensor:

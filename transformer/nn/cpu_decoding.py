@@ -3,20 +3,25 @@ which kernels.attention calls for a step's few queries; `add_norm`, a residual c
 add and LayerNorm (kernels.add_norm); `put_slots` and `keep_slots`, which write a step's
 keys and values into the decoder's cache and compact it in place (kv_cache.py); `linear`,
 products of a few rows with a weight packed once (kernels.Linear); and `best_extensions`,
-beam search's best candidates of each sentence (transformer/decoding/search.py).
+beam search's best candidates of each sentence (transformer/decoding/beams.py).
 
-The C source is compiled at first use, for this machine (`-march=native`), into the user's
-cache (`$XDG_CACHE_HOME/transformer-mt/`, else `~/.cache/transformer-mt/`), under a name
-that hashes the source, the compiler, its flags and the CPU, so that a changed kernel, a
-new compiler or another machine sharing the home directory builds its own; a build is
-written under a temporary name and renamed into place, so that processes building at once
-never load half a file. It links the OpenMP runtime that torch already loaded (GCC's
-libgomp: one pool of threads for torch's ops and these), or builds without OpenMP where the
+Builds (`BUILDS`): the C source is compiled for one instruction set, the fastest this CPU
+runs unless `select` names another: "avx512" (AVX-512F, 16 floats a vector), "avx2" (AVX2
+and FMA, 8), "portable" (the architecture's baseline, SSE2 or NEON, 4), or "torch": no C
+kernels. A build compiled for a wider vector than the CPU's registers would run as scalar
+code, so each is its own library. It is compiled at first use into the user's cache
+(`$XDG_CACHE_HOME/transformer-mt/`, else `~/.cache/transformer-mt/`), under a name that
+hashes the source, the compiler, its flags and the CPU, so that a changed kernel, a new
+compiler or another machine sharing the home directory builds its own; a build is written
+under a temporary name and renamed into place, so that processes building at once never
+load half a file. It links the OpenMP runtime that torch already loaded (GCC's libgomp:
+one pool of threads for torch's ops and these), or builds without OpenMP where the
 compiler has none or its OpenMP build does not load (Clang without libomp), and then runs
 only with one thread. Without a C compiler, or where the build fails, they decline (one
-warning says why) and their callers keep torch's ops: attention's two batched products,
-an add and layer_norm, copies, MKL's products, an add and topk; the same results to
-rounding (topk: the same, ties aside), slower.
+warning says why: the slow path) and their callers keep torch's ops: attention's two
+batched products, an add and layer_norm, copies, torch's products, an add and topk; the
+same results to rounding (topk: the same, ties aside), slower. Builds differ from each
+other in rounding only.
 
 `attend` declines (returns None) what it was not built for: other dtypes, more than
 MAX_QUERIES queries or MAX_HEAD dimensions per head, a last dimension that is not contiguous,
@@ -26,9 +31,9 @@ linear: panels packed for another width).
 
 Keys in tiles: `attend` reads keys as rows (..., L, d_k), or, faster, as `tile_keys` lays
 them out: 16 keys at a time transposed, (..., ceil(L / 16), d_k, 16), the layout its score
-loop reads (cpu_decoding.c says why). The decoder's caches keep their keys so wherever
-`reads_tiles` says this kernel will read them (kv_cache.py); `untile_keys` gives rows back
-for any other reader.
+loop reads (cpu_decoding.c says why), in every build. The decoder's caches keep their keys
+so wherever kernels.reads_tiles says this kernel will read them (kv_cache.py);
+`untile_keys` gives rows back for any other reader.
 """
 
 from __future__ import annotations
@@ -50,12 +55,66 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 MAX_QUERIES, MAX_HEAD, MAX_KEYS = 8, 128, 1 << 14  # as the C source's MAXM, MAXD; stack room
-TILE = 16  # keys per tile: the C source's lanes, W
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared"]
+TILE = 16  # keys per tile, outputs per panel: the C source's T
+FLAGS = ["-O3", "-fno-math-errno", "-fPIC", "-shared"]
+BUILDS = ("avx512", "avx2", "portable")  # fastest first
+# The instruction sets each build needs (names as cpu_flags gives them) and its flags: -march
+# =native for the host's other extensions and tuning, less AVX-512 for the AVX2 build; the
+# portable build for the architecture's baseline, which any compiler default may exceed.
+NEEDS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}, "portable": set()}
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+BUILD_FLAGS = {
+    "avx512": ["-march=native"],
+    "avx2": ["-march=native", "-mno-avx512f"],
+    "portable": ["-march=x86-64", "-mtune=generic"] if _X86 else [],
+}
 
+_wanted: str | None = None  # `select`'s build; None: the fastest this CPU runs
+_built: dict[str, tuple[ctypes.CDLL | None, bool]] = {}  # each build tried: (library, OpenMP)
+# The build in use, resolved at the first call after `select`:
 _library: ctypes.CDLL | None = None
+_loaded = "torch"  # the build in `_library`, or "torch"
 _parallel = False  # built with OpenMP
 _tried = False
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set extensions, lowercase (torch's cpuinfo; /proc/cpuinfo on a
+    torch without it), "fma" for FMA3."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        flags = {name for name, on in capabilities().items() if on is True}
+    else:
+        lines = [line for line in _cpuinfo() if line.startswith("flags")]
+        flags = set(lines[0].split(":")[1].split()) if lines else set()
+    return flags | ({"fma"} if "fma3" in flags else set())
+
+
+def runnable() -> list[str]:
+    """The builds this CPU can run, fastest first, then "torch" (no C kernels)."""
+    flags = cpu_flags()
+    return [b for b in BUILDS if NEEDS[b] <= flags and (_X86 or not NEEDS[b])] + ["torch"]
+
+
+def select(build: str | None) -> None:
+    """Load `build` (one of BUILDS, or "torch": torch's ops) from the next call on; None:
+    the fastest this CPU runs. A build this CPU cannot run is a ValueError that says why."""
+    global _wanted, _library, _loaded, _parallel, _tried
+    if build is not None and build not in runnable():
+        if build not in (*BUILDS, "torch"):
+            raise ValueError(f"no C kernel build {build!r}: choose from {(*BUILDS, 'torch')}")
+        missing = ", ".join(sorted(NEEDS[build] - cpu_flags())) or "x86"
+        raise ValueError(
+            f"this CPU cannot run the {build} build (no {missing}); it runs: "
+            f"{', '.join(runnable())}"
+        )
+    _wanted, _library, _loaded, _parallel, _tried = build, None, "torch", False, False
+
+
+def build() -> str:
+    """The build that runs: one of BUILDS, or "torch" (none loaded, or none could be)."""
+    library()
+    return _loaded
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
@@ -68,21 +127,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     lib, threads = _ready()
     if lib is None or not _takes(q, k, v, mask):
         return None
-    (b, h, m, d), n, tiled = q.shape, v.size(2), k.dim() == 5
-    out = q.new_empty(b, m, h, d).transpose(1, 2)
-    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0, *out.stride()[:3]]
+    (b, h, m, d), n, tiled = q.shape, v.shape[2], k.dim() == 5
+    out = q.new_empty(b, m, h, d)  # returned as (b, h, m, d): strides (m h d, d, h d)
+    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, 0, m * h * d, d, h * d]
     if mask is not None:
         if mask.dtype == torch.bool:  # additive
             mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-        mask = mask.expand(b, h, m, n)
-        strides[9:13] = mask.stride()
+        broadcast = zip(mask.shape, mask.stride(), strict=True)  # a dimension of 1: stride 0
+        strides[13 - mask.dim() : 13] = [0 if size == 1 else step for size, step in broadcast]
     lib.attend(
         b, h, m, n, d, tiled, d**-0.5, threads,
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
         None if mask is None else mask.data_ptr(), out.data_ptr(),
         (ctypes.c_int64 * 16)(*strides),
     )  # fmt: skip
-    return out
+    return out.transpose(1, 2)
 
 
 def best_extensions(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
@@ -122,19 +181,32 @@ def add_norm(x: Tensor, y: Tensor, weight: Tensor, bias: Tensor, eps: float) -> 
     caller's to overwrite); None where the kernel does not take these inputs (anything but
     contiguous fp32 on a CPU without gradients, D a multiple of 16) or could not be built."""
     lib, threads = _ready()
-    d, tensors = x.size(-1), (x, y, weight, bias)
+    d, tensors = x.shape[-1], (x, y, weight, bias)
     if lib is None or x.shape != y.shape or d % TILE or not weight.shape == bias.shape == (d,):
         return None
-    for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            return None
-        if t.requires_grad and torch.is_grad_enabled():
-            return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors):
+        return None
     lib.add_norm(
         x.numel() // d, d, threads, x.data_ptr(), y.data_ptr(), weight.data_ptr(),
         bias.data_ptr(), eps, y.data_ptr(),
     )  # fmt: skip
     return y
+
+
+def log_softmax_(x: Tensor) -> Tensor | None:
+    """torch.log_softmax(x, -1) written over x (..., V), contiguous fp32 on a CPU without
+    gradients, no NaN (a step's logits); torch's to ~1e-6; None where the kernel does not
+    take x or could not be built."""
+    lib, threads = _ready()
+    if lib is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+        return None
+    if x.requires_grad and torch.is_grad_enabled():
+        return None
+    v = x.shape[-1]
+    lib.log_softmax(x.numel() // v, v, threads, x.data_ptr())
+    return x
 
 
 def linear(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor | None:
@@ -143,26 +215,29 @@ def linear(x: Tensor, panels: Tensor, bias: Tensor | None, n: int) -> Tensor | N
     rounding; None where the kernel does not take these inputs (x not contiguous fp32, a
     bias not contiguous) or could not be built. Few checks: it runs 13 times a step."""
     lib, threads = _ready()
-    k = x.size(-1)
+    *rows, k = x.shape
     if lib is None or x.dtype != torch.float32 or not x.is_contiguous():
         return None
     if panels.shape != (-(-n // TILE), k, TILE) or (bias is not None and not bias.is_contiguous()):
         return None
-    y = x.new_empty(*x.shape[:-1], n)
+    y = x.new_empty((*rows, n))
+    b = None if bias is None else bias.data_ptr()
     lib.linear(
-        x.numel() // k, n, k, threads, x.data_ptr(), k, panels.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), n,
-    )  # fmt: skip
+        y.numel() // n, n, k, threads, x.data_ptr(), k, panels.data_ptr(), b, y.data_ptr(), n
+    )
     return y
 
 
 def reads_tiles(t: Tensor) -> bool:
-    """Whether `attend` can read keys like `t` (..., d_k) in tiles: the library is built for
-    these threads, and t is fp32 on a CPU path outside compiled code (kernels.c_path)."""
-    from transformer.nn.kernels import c_path  # kernels imports this module
+    """Whether `attend` can read keys like `t` (..., d_k) in tiles: fp32 on a CPU, and the
+    kernels run (`available`); kernels.reads_tiles adds where they are called."""
+    fits = t.dtype == torch.float32 and t.size(-1) <= MAX_HEAD and t.device.type == "cpu"
+    return fits and available()
 
-    fits = t.dtype == torch.float32 and t.size(-1) <= MAX_HEAD
-    return fits and c_path(t) and _ready()[0] is not None
+
+def available() -> bool:
+    """Whether the kernels run: built, and for torch's threads (see `_ready`)."""
+    return _ready()[0] is not None
 
 
 def tile_keys(k: Tensor) -> Tensor:
@@ -221,61 +296,88 @@ def _ready() -> tuple[ctypes.CDLL | None, int]:
 
 
 def _takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    if q.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+    (qs, ks, vs), f32 = (q.shape, k.shape, v.shape), torch.float32
+    if len(qs) != 4 or len(vs) != 4 or qs[:2] != ks[:2] or ks[:2] != vs[:2]:
         return False
-    (m, d), (n, d_v) = q.shape[2:], v.shape[2:]
+    (m, d), (n, d_v) = qs[2:], vs[2:]
     if not (d == d_v <= MAX_HEAD and m <= MAX_QUERIES and 0 < n <= MAX_KEYS):
         return False
-    f32 = torch.float32
-    if not (q.dtype == k.dtype == v.dtype == f32 and q.device.type == k.device.type == "cpu"):
+    if not (q.dtype == k.dtype == v.dtype == f32 and q.is_cpu and k.is_cpu and v.is_cpu):
         return False
-    if k.dim() == 5:  # tiles (..., >= ceil(L / 16), d_k, 16), each contiguous
-        tiles = k.shape[2:] == (k.size(2), d, TILE) and k.size(2) * TILE >= n
-        if not (tiles and k.stride(4) == 1 and k.stride(3) == TILE):
+    if len(ks) == 5:  # tiles (..., >= ceil(L / 16), d_k, 16), each contiguous
+        if ks[3:] != (d, TILE) or ks[2] * TILE < n or k.stride()[3:] != (TILE, 1):
             return False
-    elif k.shape != v.shape:
+    elif ks != vs:
         return False
     if d > 1 and not (q.stride(3) == k.stride(-1) == v.stride(3) == 1):  # rows contiguous
         return False
     return mask is None or (
         mask.dtype in (f32, torch.bool)
-        and mask.device.type == "cpu"
+        and mask.is_cpu
         and mask.dim() <= 4
-        and mask.size(-1) == n  # not broadcast along the keys
+        and mask.shape[-1] == n  # not broadcast along the keys
         and (mask.dtype == torch.bool or n == 1 or mask.stride(-1) == 1)  # bool: converted
     )
 
 
 def library() -> ctypes.CDLL | None:
-    """The built kernel, building it on the first call; None if it cannot be built."""
-    global _library, _parallel, _tried
+    """The selected build (`select`), building it on the first call; None for "torch" or if
+    it cannot be built (one warning: the slow path, and how to get the fast one)."""
+    global _library, _loaded, _parallel, _tried
     if not _tried:
         _tried = True
-        try:
-            _library, _parallel = _load()
-        except (OSError, subprocess.SubprocessError) as e:
-            log.warning("decoding on this CPU: torch's ops (no C kernels: %s)", e)
+        name = _wanted or runnable()[0]
+        if name != "torch" and name not in _built:
+            _built[name] = None, False
+            try:
+                _built[name] = _load(name)
+            except (OSError, subprocess.SubprocessError) as e:
+                log.warning(
+                    "decoding on this CPU: torch's ops, the slow path (no C kernels: %s); a C "
+                    "compiler (gcc or clang; CC names another) builds them at first use",
+                    e,
+                )
+        _library, _parallel = _built.get(name, (None, False))
+        _loaded = "torch" if _library is None else name
     return _library
 
 
+def describe_cpu() -> str:
+    """One line for a report: the CPU's model (family and model numbers tell AMD's Zen
+    generations apart), the instruction sets that choose a build here and torch's."""
+    info = dict(tuple(part.strip() for part in line.split(":", 1)) for line in _cpuinfo())
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    if "cpu family" in info:
+        name += f", family {info['cpu family']} model {info.get('model', '?')}"
+    flags, wanted = cpu_flags(), ("avx512f", "avx512_bf16", "amx_bf16", "avx2", "fma")
+    has = " ".join(f for f in wanted if f in flags) or "none of them"
+    lacks = " ".join(f for f in wanted if f not in flags)
+    sets = f"; {has}" + (f", no {lacks}" if lacks else "") if _X86 else ""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"CPU: {name} ({platform.machine()}){sets}; torch's CPU kernels: {capability}"
+
+
 def describe() -> str:
-    """One line for a log: what runs a decoding step's attention and top candidates here."""
-    if library() is None:
-        return "decoding on this CPU: torch's ops (the C kernels could not be built)"
+    """One line for a log: which build runs a decoding step's C kernels here, if any."""
+    lib = library()
+    if lib is None:
+        why = "not selected" if _wanted == "torch" else "could not be built: the slow path"
+        return f"decoding on this CPU: torch's ops (the C kernels {why})"
     threads = "OpenMP threads" if _parallel else "one thread only"
     return (
-        "decoding on this CPU: C kernels for attention and the beam's best candidates "
-        f"(transformer/nn/cpu_decoding.c, {threads})"
+        f"decoding on this CPU: C kernels, {_loaded} build ({lib.lanes()} floats a vector; "
+        f"transformer/nn/cpu_decoding.c, {threads})"
     )
 
 
-def _load() -> tuple[ctypes.CDLL, bool]:
-    """The library with OpenMP, else without: a compiler may have no OpenMP, or one whose
-    runtime is not linked in (Clang's libomp: the load then fails on its symbols)."""
+def _load(name: str) -> tuple[ctypes.CDLL, bool]:
+    """The library of build `name` with OpenMP, else without: a compiler may have no OpenMP, or
+    one whose runtime is not linked in (Clang's libomp: the load then fails on its
+    symbols)."""
     cc = os.environ.get("CC", "cc")
     for openmp in (["-fopenmp"], []):
         try:
-            lib = ctypes.CDLL(str(_build(cc, FLAGS + openmp)))
+            lib = ctypes.CDLL(str(_build(cc, FLAGS + BUILD_FLAGS[name] + openmp)))
         except subprocess.CalledProcessError as e:
             lines = (e.stderr or "").splitlines()
             error = next((line for line in lines if "error" in line), f"exit {e.returncode}")
@@ -283,6 +385,9 @@ def _load() -> tuple[ctypes.CDLL, bool]:
         except OSError as e:  # not loadable
             error = str(e)
             continue
+        lib.build.restype, lib.lanes.restype = ctypes.c_char_p, ctypes.c_int
+        if (made := lib.build().decode()) != name:  # the flags did not take
+            raise OSError(f"{cc} built the {made} loops for the {name} build")
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.attend.argtypes = [i64] * 5 + [ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ptr] * 6
         lib.best_extensions.argtypes = [i64] * 4 + [ctypes.c_int] + [ptr] * 4
@@ -290,7 +395,9 @@ def _load() -> tuple[ctypes.CDLL, bool]:
         f32 = ctypes.c_float
         lib.add_norm.argtypes = [i64, i64, ctypes.c_int] + [ptr] * 4 + [f32, ptr]
         lib.linear.argtypes = [i64] * 3 + [ctypes.c_int, ptr, i64] + [ptr] * 3 + [i64]
-        for f in (lib.attend, lib.best_extensions, lib.move_slots, lib.add_norm, lib.linear):
+        lib.log_softmax.argtypes = [i64, i64, ctypes.c_int, ptr]
+        kernels = (lib.attend, lib.best_extensions, lib.move_slots, lib.add_norm, lib.linear)
+        for f in (*kernels, lib.log_softmax):
             f.restype = None
         return lib, bool(openmp)
     raise OSError(f"{cc} failed: {error.strip()}")
@@ -310,7 +417,7 @@ def _build(cc: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [cc, *flags, str(SOURCE), "-o", tmp]
+        cmd = [cc, *flags, str(SOURCE), "-o", tmp, "-lm"]
         subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
         os.replace(tmp, path)
     finally:
@@ -319,13 +426,17 @@ def _build(cc: str, flags: list[str]) -> Path:
     return path
 
 
+def _cpuinfo() -> list[str]:
+    """The first CPU's lines of /proc/cpuinfo (none where there is none)."""
+    try:
+        return Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+    except OSError:
+        return []
+
+
 def _cpu() -> str:
     """What -march=native compiles for: the CPU's model and features."""
-    try:
-        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        info = ""
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    lines = [line for line in _cpuinfo() if line.startswith(("model name", "flags"))]
     return "\n".join([platform.machine(), platform.processor(), *lines])
 
 

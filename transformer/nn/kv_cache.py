@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer.nn import cpu_decoding
+from transformer.nn import cpu_decoding, kernels
 from transformer.nn.cpu_decoding import TILE
 
 
@@ -36,7 +36,7 @@ def stored_keys(k: Tensor) -> Tensor:
     """Keys (B', h, S, d_k) as a decoding cache keeps them: in tiles where cpu_decoding's
     attention kernel reads them (its fastest layout: cpu_decoding.tile_keys), else as they
     are."""
-    return cpu_decoding.tile_keys(k) if cpu_decoding.reads_tiles(k) else k
+    return cpu_decoding.tile_keys(k) if kernels.reads_tiles(k) else k
 
 
 class Shrink:
@@ -212,7 +212,7 @@ class SelfAttentionKV:
     whose (B', h) dimensions merge into one batch dimension, which the attention's batched
     products take as it is (with keys and values interleaved per row they copied every
     filled slot at every step). Where cpu_decoding's attention kernel reads them (`tiled`:
-    cpu_decoding.reads_tiles), the keys' half holds them in its tiles instead, (B', h,
+    kernels.reads_tiles), the keys' half holds them in its tiles instead, (B', h,
     slots / 16, d_k, 16), the layout that kernel's score loop reads, slots come in whole
     tiles, and cpu_decoding's C writes new keys and values and compacts both in place
     (torch's copies of a step's few slots per row cost several times as much). Dropping rows
@@ -234,7 +234,7 @@ class SelfAttentionKV:
         values (B', h, slots, d_k)."""
         c, (_, b, h, t, d_k) = self.cache, kv.shape
         if self.kv is None:
-            self.tiled = cpu_decoding.reads_tiles(kv)
+            self.tiled = kernels.reads_tiles(kv)
         if self.kv is None or self.kv.size(3) < c.visible.size(1):
             room = -(-c.visible.size(1) // TILE) * TILE if self.tiled else c.visible.size(1)
             shape = (2, b // c.group, h, room, d_k)
