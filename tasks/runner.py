@@ -211,7 +211,7 @@ def read_record(out: Path, stage: Stage, key: str, log=None) -> dict | None:
     listing = _listing(out)
     for name in sorted(files.keys() | listing.keys()):
         _check_file(out, name, files.get(name), listing.get(name), rebuild)
-    if not files:  # every stage writes something: a record of nothing was emptied
+    if old and not files:  # format 1 had no checksum of its own: an emptied list is no record
         raise RecordError(f"{path}: lists no files; {rebuild}")
     if old:
         _upgrade(out, record, log)

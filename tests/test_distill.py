@@ -178,6 +178,7 @@ def _folders(work: Path, stage: str) -> list[Path]:
     return sorted(p for p in (work / stage).iterdir() if not p.name.startswith("."))
 
 
+@pytest.mark.slow  # three teacher flows and a student: ~2 min; the library tests above stay
 def test_teachers_distill_and_student_run_as_stages(flows, params):
     work, results = flows
     result = results["student"]
@@ -208,6 +209,7 @@ def _teacher_runs(work: Path) -> list[dict]:
     ]
 
 
+@pytest.mark.slow  # the flows of the test above
 def test_the_student_run_names_its_teachers(flows):
     work, results = flows
     result = results["student"]

@@ -294,6 +294,7 @@ def test_two_fresh_runs_are_bitwise_reproducible(first, fresh_flow):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # two more flows; tests/test_config.py pins the identities
 def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first, work):
     """Logging, validation and checkpoint cadence, workers, max_steps upward: the data
     stages are reused and training resumes in its folder; an identity key (dropout) trains
@@ -319,6 +320,7 @@ def test_operational_changes_reuse_every_stage_and_identity_changes_do_not(first
     assert children == {"train", "average", "decode", "export"}
 
 
+@pytest.mark.slow  # a flow with two cooldown branches
 def test_an_average_over_cooldowns_trains_them_from_the_runs_cooldown_start(first, work):
     """average.cooldowns=2: the run keeps its state where its cooldown begins; the
     cooldowns stage trains one more cooldown from there (train.seed + 1: other batches) in

@@ -42,6 +42,7 @@ def tiny_proof(request) -> tuple[Path, list[dict], str]:
     return out, records(out), printed
 
 
+@pytest.mark.slow  # the whole proof rehearsed: ~1 min
 def test_every_phase_runs_once_and_records_its_rows(tiny_proof):
     out, found, printed = tiny_proof
     assert [r["phase"] for r in found] == PHASES  # one record a phase, in order
@@ -58,6 +59,7 @@ def test_every_phase_runs_once_and_records_its_rows(tiny_proof):
     assert printed.strip().splitlines()[-1] == str(out)
 
 
+@pytest.mark.slow  # the rehearsal of the test above
 def test_each_phase_measures_what_it_names(tiny_proof):
     out, found, _ = tiny_proof
     phase = {r["phase"]: r for r in found}

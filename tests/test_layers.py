@@ -91,18 +91,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
-    """The library's modules that `path` imports outside its functions (under
-    TYPE_CHECKING too): `from a.b import c` is a.b.c where that is a module, else a.b."""
+def _library_imports(path: Path, modules: set[str]) -> set[str]:
+    """The library's modules that `path` imports, anywhere in it (an import inside a
+    function is a dependency too, only a later one): `from a.b import c` is a.b.c where
+    that is a module, else a.b."""
     found = set()
-    body = list(ast.parse(path.read_text()).body)
-    while body:
-        node = body.pop()
-        if isinstance(node, ast.If | ast.Try):
-            body += node.body + node.orelse + getattr(node, "handlers", [])
-        elif isinstance(node, ast.ExceptHandler):
-            body += node.body
-        elif isinstance(node, ast.Import):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
@@ -115,7 +110,7 @@ def test_no_two_modules_of_the_library_import_each_other():
     """One imports the other, never both (a circle is two modules that are one concern, or
     one that reads the other's internals), however long the way round."""
     paths = {_module_name(p): p for p in (ROOT / "transformer").rglob("*.py")}
-    graph = {m: _top_level_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    graph = {m: _library_imports(p, set(paths)) - {m} for m, p in paths.items()}
     circles = []
     for start in sorted(graph):
         stack, seen = [(start, (start,))], set()

@@ -212,6 +212,7 @@ def test_a_tampered_work_dir_runs_no_code_and_names_the_file(fresh_flow, victim,
     assert len(error) == 1 and str(path) in error[0], out[-3000:]
 
 
+@pytest.mark.slow  # a flow in the copy
 def test_a_copied_work_dir_writes_only_into_the_copy(fresh_flow, tmp_path):
     """`cp -a` of a finished work dir into a path with a space and a non-ASCII letter, and a
     rerun that decodes again (a stage run, its artifacts logged): the original is unchanged

@@ -27,6 +27,10 @@ with sentencepiece 0.2.3, a seed (`set_random_generator_seed`) repeats them with
 process, not in another process (nor in a forkserver worker), so no seed is offered here.
 A rebuild is new data, with a fingerprint of its own; the stage cache, keyed on params,
 reuses a finished build as it does any other stage's.
+
+One module past the ~450 lines the library keeps to: the pool, the bucket buffers and the
+manifest are one streaming pass, and its promise (the same bytes for any number of
+workers) is kept by their order together; split, no file would hold the whole of it.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ A source is either the Hugging Face hub dataset of the paper's data (`wmt/wmt14`
 column of {lang: text} dicts. Every kind ends in the same stream of record batches, and the
 hub and parquet/jsonl kinds share one schema function, `translation_batches`. Everything
 streams in batches: WMT14's 4.5M pairs never sit whole in memory.
+
+One module past the ~450 lines the library keeps to: every reader ends in the one schema
+and shares the bounded reading (line length, gzip damage, JSON depth) that makes a bad file
+one line naming it; the bounds in one place are what keeps each reader honest.
 """
 
 from __future__ import annotations
