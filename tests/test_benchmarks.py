@@ -47,6 +47,7 @@ def test_a_peer_that_fails_drops_out_and_the_others_are_timed():
     assert isinstance(seconds["ours"], float)
 
 
+@pytest.mark.slow  # a real training loop; the other benchmarks stay
 def test_train_throughput_runs_the_real_loop_on_a_synthetic_corpus(tmp_path):
     out = run("train_throughput", "--corpus", "synthetic", "--pairs", "300", "--steps", "2",
               "--work", str(tmp_path), "--threads", "1")  # fmt: skip

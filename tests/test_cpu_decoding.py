@@ -598,6 +598,7 @@ def test_the_decode_benchmark_names_and_forces_the_build(monkeypatch, capsys):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # two more builds of the kernels
 def test_an_openmp_build_that_does_not_load_gives_way_to_one_without(fresh, monkeypatch):
     """Clang with -fopenmp may build a library that needs a runtime nothing loaded (libomp):
     then the kernel is built without OpenMP and runs with one thread only."""

@@ -386,6 +386,7 @@ def test_a_run_killed_in_training_resumes_and_completes(first, work):
     assert any(c.info.status == "KILLED" for c in killed)
 
 
+@pytest.mark.slow  # a Prefect server, a serve process, two flow runs: ~75 s
 def test_served_deployments_run_on_schedule_and_from_the_cli(first, work, tmp_path):
     """A real `prefect server` (127.0.0.1, its own PREFECT_HOME, the scheduler looping every
     second) and `python -m flows.deploy` serving the repository's smoke deployment; a

@@ -53,6 +53,7 @@ def tiny_report(request) -> tuple[Path, str]:
     return rehearsal("report", request)
 
 
+@pytest.mark.slow  # the whole report rehearsed on the CPU
 def test_the_tiny_cpu_report_writes_every_section(tiny_report):
     out, printed = tiny_report
     assert printed.strip().splitlines()[-1] == str(out)  # it names its folder
@@ -73,6 +74,7 @@ def test_the_tiny_cpu_report_writes_every_section(tiny_report):
     assert not list(out.glob(".work-*"))  # its temporary files are gone
 
 
+@pytest.mark.slow  # the rehearsal of the test above
 def test_each_section_measures_what_it_names(tiny_report):
     sections = json.loads((tiny_report[0] / "report.json").read_text())["sections"]
     versions = {r["item"]: r["value"] for r in sections["environment"]["tables"]["versions"]}

@@ -102,6 +102,7 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
+@pytest.mark.slow  # a flow process that waits out the API start
 def test_a_local_api_that_cannot_start_ends_the_flow_in_one_line(tmp_path):
     """The flow's own Prefect API dying as it starts (here the real server, with a module it
     imports made unimportable, as on a machine that lacks it) ends the flow with exit 1 and
@@ -401,6 +402,7 @@ def test_a_stop_raised_inside_a_finalizer_still_stops(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == before  # the test process's handler is back
 
 
+@pytest.mark.slow  # two flows; the default suite stops one in training
 def test_sigterm_during_decode_stops_the_flow_in_one_line(fresh_flow, tmp_path):
     """SIGTERM to the group while decode runs (swallowed before, the flow then decoding,
     exporting and publishing to exit 0; or exit -15 with no line, Prefect's re-sent signal

@@ -101,9 +101,10 @@ CASES = [
     pytest.param("no tracking server, from the environment", [], {"MLFLOW_TRACKING_URI": DEAD},
                  "pipeline.tracking_uri http://127.0.0.1:9: no MLflow server answers",
                  marks=SLOW),
-    ("a database without its driver", [], {"MLFLOW_TRACKING_URI": POSTGRES},
-     "pipeline.tracking_uri postgresql://***@127.0.0.1:9/db: the database's driver is not "
-     "installed (No module named 'psycopg2')"),
+    pytest.param("a database without its driver", [], {"MLFLOW_TRACKING_URI": POSTGRES},
+                 "pipeline.tracking_uri postgresql://***@127.0.0.1:9/db: the database's driver "
+                 "is not installed (No module named 'psycopg2')", marks=SLOW),  # and in-process:
+    # tests/test_boundaries.py's test_a_database_store_without_its_driver_is_one_line
     pytest.param("a registered model name with a slash", ["pipeline.registered_model=team/model"],
                  {}, "pipeline.registered_model: Invalid model name 'team/model'", marks=SLOW),
     ("no Prefect API", [], {"PREFECT_API_URL": DEAD + "/api"},
