@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_search import Ending, batch, real_sources, tiny_transformer
+from torch import nn
 
 from transformer.config import ModelConfig
 from transformer.decoding.search import beam_search
@@ -279,6 +280,23 @@ def test_packed_products_are_f_linear(build, m, n, k):
     assert cpu_decoding.linear(x.double(), panels.double(), None, n) is None
     assert cpu_decoding.linear(torch.randn(m + 1, 2 * k)[:, :k], panels, None, n) is None
     assert cpu_decoding.linear(x, panels[:, :-1], None, n) is None  # packed for another k
+
+
+def test_a_validation_after_a_fused_adam_step_reads_the_new_weights(build):
+    """The trainer validates in eval mode between updates. Fused Adam on a CPU writes the
+    weights in place without a new version, so the packing cannot follow the version
+    alone: every switch of mode drops it (a validation read the first one's weights)."""
+    model = nn.Sequential(kernels.Linear(32, 40))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    x = torch.randn(6, 1, 32)
+    for _ in range(2):
+        model.eval()
+        with torch.no_grad():
+            got, want = model(x), F.linear(x, model[0].weight, model[0].bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model.train()
+        model(x).square().sum().backward()
+        optimizer.step()
 
 
 @torch.no_grad()

@@ -119,10 +119,17 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias, self.panels(x))
 
+    def train(self, mode: bool = True) -> Linear:
+        # An optimizer may change the weight in place without a new version (fused Adam
+        # on a CPU does): a packing made before a training step is not reused after it.
+        self._panels = None
+        return super().train(mode)
+
     def panels(self, x: Tensor, rows: int | None = None) -> Tensor | None:
         """The weight (its first `rows` outputs) packed for cpu_decoding.linear, where x's
-        product goes there (on a CPU without gradients: see the module docstring), else None.
-        Packed once, again whenever the weight changes (its address or version)."""
+        product goes there (on a CPU without gradients: see the module docstring), else
+        None. Packed once, again whenever the weight changes (its address or version) and
+        after every switch between training and eval mode (`train`)."""
         w = self.weight
         if torch.is_grad_enabled() or w.dtype != torch.float32 or not _packed(x):
             return None
