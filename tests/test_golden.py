@@ -1,6 +1,6 @@
 """The golden curve holds: the demo's first 200 updates, trained by the library's trainer in a
 process of its own, each loss within the tolerance of tests/assets/losses/smoke.txt, and the
-validation at update 200 too (tests/golden.py; docs/results/golden.md)."""
+validations at updates 100 and 200 too (tests/golden.py; docs/results/golden.md)."""
 
 import golden
 
