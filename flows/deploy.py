@@ -181,37 +181,32 @@ def schedule(spec: ScheduleSpec) -> Schedule:
     return Interval(timedelta(seconds=spec.interval), anchor_date=spec.anchor_date, **common)
 
 
+def options(spec: DeploymentSpec, work_dir: str) -> dict:
+    """What a served deployment and a pool's share: the spec's, the work dir, one at a time."""
+    return {
+        "parameters": {**spec.parameters, "work_dir": str(Path(work_dir).resolve())},
+        "schedules": [schedule(s) for s in spec.schedules],
+        "concurrency_limit": ONE_AT_A_TIME,
+        "tags": spec.tags,
+        "description": spec.description,
+    }
+
+
 def deployments(specs: dict[str, DeploymentSpec], work_dir: str, names: list[str]):
-    work = str(Path(work_dir).resolve())
-    return [
-        wmt14_ende.to_deployment(
-            name=name,
-            parameters={**specs[name].parameters, "work_dir": work},
-            schedules=[schedule(s) for s in specs[name].schedules],
-            concurrency_limit=ONE_AT_A_TIME,
-            tags=specs[name].tags,
-            description=specs[name].description,
-        )
-        for name in names
-    ]
+    return [wmt14_ende.to_deployment(name=name, **options(specs[name], work_dir)) for name in names]
 
 
 def register_for_pool(specs: dict[str, DeploymentSpec], work_dir: str, names: list[str],
                       pool: str) -> None:  # fmt: skip
     """The deployments as `<name>-<pool>`, run by a worker of `pool` from this checkout
     (its folder is the runs' working directory: relative paths in params resolve there)."""
-    work = str(Path(work_dir).resolve())
     source = wmt14_ende.from_source(source=str(ROOT), entrypoint="flows/wmt14_ende.py:wmt14_ende")
     for name in names:
         try:
             source.deploy(
                 name=f"{name}-{pool}",
                 work_pool_name=pool,
-                parameters={**specs[name].parameters, "work_dir": work},
-                schedules=[schedule(s) for s in specs[name].schedules],
-                concurrency_limit=ONE_AT_A_TIME,
-                tags=specs[name].tags,
-                description=specs[name].description,
+                **options(specs[name], work_dir),
                 print_next_steps=False,
             )
         except ValueError as err:  # Prefect's "Could not find work pool 'gpu'. ..."
