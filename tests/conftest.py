@@ -108,6 +108,27 @@ def tiny_params(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tiny_params, tiny_shards, tmp_path_factory) -> tuple[Path, Path]:
+    """A run of tiny_params trained 4 steps (snapshots at 2 and 4) and its model file (the two
+    averaged): the good files that the bad-input tests refuse others beside. Read only."""
+    from transformer import train
+    from transformer.config import AverageConfig
+    from transformer.training import average
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    run = root / "run"
+    steps = ["train.max_steps=4", "train.save_every=2", "train.valid_every=4"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = train.main([str(tiny_params), *steps, "--data", str(tiny_shards), "--out", str(run)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    return run, average.export_average(run, AverageConfig(last_n=2), root / "model.pt")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a busy shared machine their

@@ -20,7 +20,6 @@ from flows import deploy
 from flows import wmt14_ende as flow
 from tasks.stages import STAGES
 from transformer import config, train
-from transformer.config import AverageConfig
 from transformer.decoding import evaluate, export, translate
 from transformer.training import average
 
@@ -31,15 +30,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def env(tiny_params, tiny_shards, tmp_path_factory) -> dict[str, Path]:
+def env(tiny_params, tiny_shards, tiny_run, tmp_path_factory) -> dict[str, Path]:
     """Good files (a trained run, its model, texts) and bad ones, made once."""
     root = tmp_path_factory.mktemp("bad")
-    run = root / "run"
-    steps = ["train.max_steps=4", "train.save_every=2", "train.valid_every=4"]
-    assert (
-        train.main([str(tiny_params), *steps, "--data", str(tiny_shards), "--out", str(run)]) == 0
-    )
-    model = average.export_average(run, AverageConfig(last_n=2), root / "model.pt")
+    run, model = tiny_run
     files = {
         "params": tiny_params, "shards": tiny_shards, "run": run, "model": model,
         "text": _write(root / "good.en", b"the dog runs\na cat\n"),

@@ -417,20 +417,11 @@ CONTENT = "root:x:0:0:boundary-content-marker:/root:/bin/bash"
 
 
 @pytest.fixture(scope="module")
-def files(tiny_params, tiny_shards, tmp_path_factory) -> dict[str, Path]:
+def files(tiny_shards, tiny_run, tmp_path_factory) -> dict[str, Path]:
     """A trained run, its snapshot, its model file and sentencepiece model, and files that
     are none of these."""
-    from transformer import train
-    from transformer.config import AverageConfig
-    from transformer.training import average
-
     root = tmp_path_factory.mktemp("files")
-    run = root / "run"
-    steps = ["train.max_steps=2", "train.save_every=2", "train.valid_every=2"]
-    assert (
-        train.main([str(tiny_params), *steps, "--data", str(tiny_shards), "--out", str(run)]) == 0
-    )
-    model = average.export_average(run, AverageConfig(last_n=1), root / "model.pt")
+    run, model = tiny_run
     (root / "folder").mkdir()
     (root / "passwd").write_text(CONTENT + "\n")
     return {

@@ -256,22 +256,11 @@ def test_the_flow_stops_before_prefect_starts(tmp_path, corpus, capsys):
 
 def test_config_check_runs_it_alone(tmp_path, corpus):
     path = _params(tmp_path, corpus)
-    run = subprocess.run(
-        [sys.executable, "-m", "transformer.config", str(path), "--check"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    check = [sys.executable, "-m", "transformer.config", str(path), "--check"]
+    run = subprocess.run(check, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[0].startswith("corpus ")
     (corpus / "test.en").unlink()
-    run = subprocess.run(
-        [sys.executable, "-m", "transformer.config", str(path), "--check"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = subprocess.run(check, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.startswith("error: data.splits.test ('test')") and run.stderr.count("\n") == 1
