@@ -39,7 +39,7 @@ from prefect.states import Failed, State
 from flows.local_api import LocalApiError, check_api, local_api
 from flows.stop import STOP
 from tasks import stages
-from tasks.distill import check_teachers
+from tasks.distill import check_teachers, fetch_registered
 from tasks.publish import publish, summary_lines
 from tasks.runner import ONE_LINE, SERVER_LOST, reading, run_stage, user_failure
 from tasks.settings import Overrides, RunParams, experiment_name, load_run_params, tracking_uri
@@ -124,6 +124,11 @@ def run_stages(params: RunParams, key: str, params_file: Path, work: Path, refre
     run = opened.result()
     records: dict[str, dict] = {}
     try:
+        try:  # registered teachers: fetched from the run's registry, then files like any other
+            params = fetch_registered(params, run["uri"], work)
+        except Exception as err:
+            mark_failed(run)
+            return user_failure("teachers", err)
         for stage in stages.STAGES:  # the DAG, in order
             STOP.raise_if_stopped()
             if stage.asked is not None and not stage.asked(params):

@@ -1,16 +1,29 @@
 """A distillation's teachers, for the stage table's `teachers` and `distill` rows: the
 pipeline runs that train them (seeds of a params file, each a run of its own, found done in
-the work dir when another student or a plain run made it), or exported model files; the
-record that lists them, which the distill stage reads; what the student's run shows of them.
+the work dir when another student or a plain run made it), or model files: exported ones, or
+versions of registered models (`models:/NAME/VERSION`, `models:/NAME@ALIAS`) fetched from
+the run's MLflow registry into the work dir; the record that lists them, which the distill
+stage reads; what the student's run shows of them.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import mlflow
+
 from tasks.settings import RunParams, load_run_params
+from tasks.tracking import client_for, store_errors
 from transformer.config import ParamsError
-from transformer.files import file_sha256
+from transformer.files import MODEL, atomic_dir, file_sha256
+
+# models:/NAME/VERSION or models:/NAME@ALIAS; a name that is a plain folder name, as the
+# fetched file's folder is named by it.
+REGISTERED = re.compile(
+    r"models:/(?P<name>[A-Za-z0-9][\w.-]*)(?:/(?P<version>\d+)|@(?P<alias>[\w-]+))"
+)
+FETCHED = "registry"  # the work dir's folder of fetched teachers: registry/NAME/VERSION/model.pt
 
 
 def distilling(params: RunParams) -> bool:
@@ -45,8 +58,60 @@ def check_teachers(params: RunParams, params_file: Path) -> None:
             raise ParamsError(f"distill.teachers.params: {path} distills in turn; a teacher "
                               "trains on its corpus (one level of distillation)")  # fmt: skip
     for model in params.distill.teachers.models:
-        if not Path(model).is_file():
+        if model.startswith("models:/"):
+            if not REGISTERED.fullmatch(model):
+                raise ParamsError(f"distill.teachers.models: {model}: not models:/NAME/VERSION "
+                                  "or models:/NAME@ALIAS (a name of letters, digits, '.', '_', "
+                                  "'-')")  # fmt: skip
+        elif not Path(model).is_file():
             raise ParamsError(f"distill.teachers.models: {model}: no such model file")
+
+
+def fetch_registered(params: RunParams, uri: str, work: Path) -> RunParams:
+    """The params with each registered teacher replaced by its model file, fetched once
+    from the registry at `uri` into work/registry/NAME/VERSION/ (an alias is read once,
+    here: the version it names now is the teacher for the whole run). The key stays the
+    file's sha256, as for any teacher file."""
+    if not distilling(params):
+        return params
+    teachers = params.distill.teachers
+    models = [_fetched(m, uri, work) if REGISTERED.fullmatch(m) else m for m in teachers.models]
+    if models == teachers.models:
+        return params
+    distill = params.distill.model_copy(
+        update={"teachers": teachers.model_copy(update={"models": models})}
+    )
+    return params.model_copy(update={"distill": distill})
+
+
+def _fetched(model: str, uri: str, work: Path) -> str:
+    match = REGISTERED.fullmatch(model)
+    name, alias = match["name"], match["alias"]
+    with store_errors(uri):
+        client = client_for(uri)
+        try:
+            version = (client.get_model_version_by_alias(name, alias) if alias
+                       else client.get_model_version(name, match["version"])).version  # fmt: skip
+        except mlflow.exceptions.MlflowException:
+            raise ParamsError(f"distill.teachers.models: {model}: no such registered model "
+                              "version in the run's MLflow registry") from None  # fmt: skip
+        path = work / FETCHED / name / str(version) / MODEL
+        if not path.is_file():
+            source = client.get_model_version_download_uri(name, version).rstrip("/")
+            with atomic_dir(path.parent) as folder:  # a model.pt whole, or none
+                # The pyfunc's data: the one model file it was logged with (tasks/registry.py).
+                data = mlflow.artifacts.download_artifacts(
+                    f"{source}/data", dst_path=str(folder), tracking_uri=uri
+                )
+                files = list(Path(data).iterdir())
+                if len(files) != 1 or not files[0].is_file():
+                    raise ParamsError(
+                        f"distill.teachers.models: {model}: version {version} is not a model "
+                        "this pipeline registered (one model file)"
+                    )
+                files[0].rename(folder / path.name)
+                Path(data).rmdir()
+    return str(path)
 
 
 def teacher_files(params: RunParams) -> dict[str, str]:
@@ -73,9 +138,18 @@ def gather_teachers(r) -> dict:
     ]
     for i, model in enumerate(r.params.distill.teachers.models, len(teachers) + 1):
         path = Path(model).resolve()
-        teachers.append({"label": f"teacher-{i}", "model": str(path),
-                         "fingerprint": file_sha256(path)[:16]})  # fmt: skip
+        fingerprint = file_sha256(path)[:16]
+        teachers.append({"label": f"teacher-{i}", "model": _relative(path, work),
+                         "fingerprint": fingerprint, **_registered(path, work)})  # fmt: skip
     return {"teachers": teachers}
+
+
+def _registered(path: Path, work: Path) -> dict[str, str]:
+    """{"registered": models:/NAME/VERSION} of a teacher fetched from the registry."""
+    if not path.is_relative_to(work / FETCHED):
+        return {}
+    name, version = path.relative_to(work / FETCHED).parts[:2]
+    return {"registered": f"models:/{name}/{version}"}
 
 
 def teacher_models(report: dict, work: Path) -> list[Path]:

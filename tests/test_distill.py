@@ -5,7 +5,9 @@ the distill stage with its rerun, byte for byte."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +26,11 @@ from prefect.testing.utilities import prefect_test_harness
 from test_translate import write_model_file
 
 from flows.wmt14_ende import wmt14_ende
-from transformer.config import DataConfig, DistillConfig, ScoreConfig, load_params
+from tasks.distill import check_teachers, fetch_registered, gather_teachers
+from tasks.registry import register
+from tasks.settings import load_run_params
+from tasks.stages import StageRun
+from transformer.config import DataConfig, DistillConfig, ParamsError, ScoreConfig, load_params
 from transformer.data import DataError
 from transformer.decoding.distill import distill_corpus
 from transformer.decoding.translate import load_ensemble, translate_lines
@@ -114,10 +120,71 @@ def test_the_source_side_needs_teachers_of_the_reverse_direction(cleaned, teache
     assert not (tmp_path / "train.parquet").exists()
 
 
+# ------------------------------------------------------------- teachers from the registry
+
+
+def test_registered_teachers_are_fetched_once_into_the_work_dir(teachers, tmp_path):
+    """`models:/NAME/VERSION` and `models:/NAME@ALIAS` teachers: versions registered as the
+    flow registers its models (a real SQLite store), fetched into the work dir once, then
+    model files like any other, named by their version in the teachers' record."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = {"uri": uri, "registered_model": "teacher",
+           "run_id": client.create_run(client.create_experiment(
+               "e", artifact_location=str(tmp_path / "mlartifacts"))).info.run_id}  # fmt: skip
+    test = {"bleu": 1.0, "bleu_lc": 1.0, "chrf": 1.0, "bleu_signature": "-"}
+    for i, model in enumerate(teachers):  # version 1, then 2 (@best: the higher valid BLEU)
+        register(run, model, {"valid": {"bleu": float(i)}, "test": test}, f"fp{i}", {})
+    student = tmp_path / "student.yaml"
+    student.write_text(f"extends: {ROOT / 'params' / 'smoke.yaml'}\ndistill:\n  teachers:\n"
+                       "    models: [models:/teacher/1, models:/teacher@best]\n")  # fmt: skip
+    params = load_run_params(student)
+    check_teachers(params, student)
+    work = tmp_path / "work"
+    fetched = fetch_registered(params, uri, work).distill.teachers.models
+    assert fetched == [str(work / "registry" / "teacher" / v / "model.pt") for v in ("1", "2")]
+    for path, model in zip(fetched, teachers, strict=True):
+        assert Path(path).read_bytes() == model.read_bytes()
+    shutil.rmtree(tmp_path / "mlartifacts")  # fetched once: the work dir's copies serve
+    assert fetch_registered(params, uri, work).distill.teachers.models == fetched
+    resolved = fetch_registered(params, uri, work)
+    r = StageRun(resolved, {}, {}, work / "teachers" / "k", student, {}, "cpu")
+    report = gather_teachers(r)["teachers"]
+    assert [t["registered"] for t in report] == ["models:/teacher/1", "models:/teacher/2"]
+    assert report[0]["model"] == "registry/teacher/1/model.pt"  # a moved work dir finds it
+
+
+@pytest.mark.parametrize("model, message", [
+    ("models:/teacher/9", "models:/teacher/9: no such registered model version"),
+    ("models:/nobody@best", "models:/nobody@best: no such registered model version"),
+])  # fmt: skip
+def test_a_registered_teacher_that_is_not_there_is_one_line(model, message, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    client.create_registered_model("teacher")
+    student = tmp_path / "student.yaml"
+    student.write_text(f"extends: {ROOT / 'params' / 'smoke.yaml'}\n"
+                       f"distill: {{teachers: {{models: [{model}]}}}}\n")  # fmt: skip
+    with pytest.raises(ParamsError, match=f"^distill.teachers.models: {re.escape(message)}"):
+        fetch_registered(load_run_params(student), uri, tmp_path / "work")
+    assert not (tmp_path / "work" / "registry").exists()
+
+
+def test_a_registered_teacher_is_named_as_the_registry_names_it(tmp_path):
+    student = tmp_path / "student.yaml"
+    student.write_text(f"extends: {ROOT / 'params' / 'smoke.yaml'}\n"
+                       "distill: {teachers: {models: ['models:/../x/1']}}\n")  # fmt: skip
+    with pytest.raises(ParamsError, match=r"models:/\.\./x/1: not models:/NAME/VERSION"):
+        check_teachers(load_run_params(student), student)
+
+
 # --------------------------------------------------------------------------- the flow
 
 STEPS = """\
+    model: {n_layers: 1, d_model: 64, d_ff: 128, n_heads: 2}
     train:
+      batch_tokens: 1024
+      max_tokens: 1024
       max_steps: 20
       warmup_steps: 10
       save_every: 10
@@ -133,8 +200,9 @@ STEPS = """\
 
 @pytest.fixture(scope="module")
 def params(tmp_path_factory) -> dict[str, Path]:
-    """The teachers' params (the smoke recipe, 20 updates, on 600 of its pairs), a student
-    distilled from two seeds of them, and a second student of another size."""
+    """The teachers' params (the smoke recipe shrunk to one small layer, 20 updates of
+    1,024 tokens, on 600 of its pairs), a student distilled from two seeds of them, and a
+    second student of another size."""
     folder = tmp_path_factory.mktemp("distill_params")
     corpus = folder / "corpus"
     corpus.mkdir()
@@ -148,6 +216,9 @@ def params(tmp_path_factory) -> dict[str, Path]:
         "student": "extends: teacher.yaml\ndistill:\n  teachers: {params: teacher.yaml, "
         "seeds: [1, 2]}\n  part_pairs: 200\n  decode: {beam_size: 2, max_len_b: 10}\n",
         "student2": "extends: student.yaml\nmodel: {d_ff: 256}\n",
+        # The same teachers as the registry holds them (seed 1 registered first).
+        "student3": "extends: student.yaml\ndistill:\n  teachers: {params: null, seeds: [], "
+        "models: [models:/wmt14-ende-teacher/1, models:/wmt14-ende-teacher/2]}\n",
     }
     for name, text in files.items():
         (folder / f"{name}.yaml").write_text(text)
@@ -156,13 +227,14 @@ def params(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def flows(params, tmp_path_factory):
-    """Both students in one work dir, in this process (a Prefect test server), in order."""
+    """The three students in one work dir, in this process (a Prefect test server), in
+    order."""
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     os.environ.pop("MLFLOW_EXPERIMENT_NAME", None)
     work = tmp_path_factory.mktemp("distill_work")
     results = {}
     with prefect_test_harness(server_startup_timeout=120):
-        for name in ("student", "student2"):
+        for name in ("student", "student2", "student3"):
             state = wmt14_ende(str(params[name]), [], str(work), return_state=True)
             assert state.is_completed(), state
             results[name] = state.result()
@@ -178,17 +250,18 @@ def _folders(work: Path, stage: str) -> list[Path]:
     return sorted(p for p in (work / stage).iterdir() if not p.name.startswith("."))
 
 
-@pytest.mark.slow  # three teacher flows and a student: ~2 min; the library tests above stay
 def test_teachers_distill_and_student_run_as_stages(flows, params):
     work, results = flows
     result = results["student"]
     assert set(result["rows"]) == {"teacher-1", "teacher-2", "ensemble", "model"}
     # Three trainings for the first student (two teachers, itself), one more for the second;
     # one distilled corpus, made once; one vocabulary, the teachers' (the corpus's).
-    assert len(_folders(work, "train")) == 4
-    assert len(_folders(work, "distill")) == len(_folders(work, "teachers")) == 1
+    # The third student's teachers are files (from the registry): a corpus and training of
+    # its own.
+    assert len(_folders(work, "train")) == 5
+    assert len(_folders(work, "distill")) == len(_folders(work, "teachers")) == 2
     assert len(_folders(work, "vocab")) == 1
-    (distilled,) = _folders(work, "distill")
+    distilled = _distilled(work)
     corpus = pq.read_table(distilled / "train.parquet")
     cleaned = pq.read_table(_folders(work, "clean")[0] / "train.parquet")
     assert corpus["src"].to_pylist() == cleaned["src"].to_pylist()[: corpus.num_rows]
@@ -199,17 +272,30 @@ def test_teachers_distill_and_student_run_as_stages(flows, params):
     assert translate_lines(ensemble, sp, some, cfg, "cpu") == corpus["tgt"].to_pylist()[:5]
 
 
-def _teacher_runs(work: Path) -> list[dict]:
-    import json
+def _record(folder: Path) -> dict:
+    return json.loads((folder / "stage.json").read_text())
 
-    (folder,) = _folders(work, "teachers")
+
+def _teachers(work: Path, registry: bool = False) -> Path:
+    """The teachers folder of the students that name seeds (or, `registry`, models)."""
+    return next(f for f in _folders(work, "teachers")
+                if ("run_id" in _record(f)["report"]["teachers"][0]) != registry)  # fmt: skip
+
+
+def _distilled(work: Path, registry: bool = False) -> Path:
+    teachers = _record(_teachers(work, registry))["fingerprint"]
+    return next(f for f in _folders(work, "distill")
+                if _record(f)["inputs"]["teachers"] == teachers)  # fmt: skip
+
+
+def _teacher_runs(work: Path) -> list[dict]:
+    folder = _teachers(work)
     return [
         {**t, "model": str(work / t["model"])}
         for t in json.loads((folder / "stage.json").read_text())["report"]["teachers"]
     ]
 
 
-@pytest.mark.slow  # the flows of the test above
 def test_the_student_run_names_its_teachers(flows):
     work, results = flows
     result = results["student"]
@@ -233,14 +319,27 @@ def test_the_student_run_names_its_teachers(flows):
         assert row in table
 
 
-@pytest.mark.slow
+def test_teachers_from_the_registry_make_the_corpus_their_runs_made(flows):
+    """The third student names the first one's teachers as registered versions: fetched
+    from the registry, the same models, so the same distilled corpus, byte for byte; its
+    run names them by version."""
+    work, results = flows
+    ours, fetched = _distilled(work), _distilled(work, registry=True)
+    assert ours != fetched
+    assert (fetched / "train.parquet").read_bytes() == (ours / "train.parquet").read_bytes()
+    run = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(results["student3"]["run_id"])
+    assert run.data.tags["distill.teacher_models"] == (
+        "models:/wmt14-ende-teacher/1, models:/wmt14-ende-teacher/2"
+    )
+
+
 def test_a_kill_inside_distill_and_its_rerun_make_the_same_corpus(flows, params, tmp_path):
     """SIGKILL to the flow's process group while the distill stage writes its parts; the
     rerun resumes and writes the corpus byte for byte as the unbroken run did."""
     work, _ = flows
     copy = tmp_path / "work"
     shutil.copytree(work, copy)
-    (done,) = _folders(copy, "distill")
+    done = _distilled(copy)
     shutil.rmtree(done)
     cmd = [sys.executable, "-m", "flows.wmt14_ende", str(params["student"]), "--work-dir",
            str(copy)]  # fmt: skip

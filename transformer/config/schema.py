@@ -333,7 +333,9 @@ class TeachersConfig(Section):
     params: str | None = operational(None)
     seeds: list[int] = operational([])  # train.seed of each run of `params`
     overrides: list[str] = operational([])  # dotted.key=value for every run of `params`
-    models: list[str] = operational([])  # exported model files (or models:/NAME@ALIAS)
+    # Exported model files, or registered ones (models:/NAME/VERSION, models:/NAME@ALIAS)
+    # fetched from the run's MLflow registry.
+    models: list[str] = operational([])
 
     @model_validator(mode="after")
     def _which(self) -> TeachersConfig:
