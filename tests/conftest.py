@@ -142,6 +142,8 @@ def one_thread():
 # The smoke flow with enough training to learn something, little enough for CI
 # (tests/test_flow.py, tests/test_reliability.py).
 TINY_FLOW = [
+    "train.batch_tokens=1024",
+    "train.max_tokens=1024",
     "train.max_steps=40",
     "train.warmup_steps=20",
     "train.save_every=10",

@@ -335,25 +335,27 @@ def test_teachers_from_the_registry_make_the_corpus_their_runs_made(flows):
 
 def test_a_kill_inside_distill_and_its_rerun_make_the_same_corpus(flows, params, tmp_path):
     """SIGKILL to the flow's process group while the distill stage writes its parts; the
-    rerun resumes and writes the corpus byte for byte as the unbroken run did."""
+    rerun resumes and writes the corpus byte for byte as the unbroken run did. (The third
+    student's: its teachers are files, so no teacher's subflow runs before the stage.)"""
     work, _ = flows
     copy = tmp_path / "work"
     shutil.copytree(work, copy)
-    done = _distilled(copy)
-    shutil.rmtree(done)
-    cmd = [sys.executable, "-m", "flows.wmt14_ende", str(params["student"]), "--work-dir",
+    unbroken = _distilled(work, registry=True)
+    out = copy / "distill" / unbroken.name
+    shutil.rmtree(out)
+    cmd = [sys.executable, "-m", "flows.wmt14_ende", str(params["student3"]), "--work-dir",
            str(copy)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
-    part = copy / "distill" / done.name / "parts" / "00000.parquet"
-    wait_for(part.is_file, 600, proc, "the first distilled part")
+    wait_for((out / "parts" / "00000.parquet").is_file, 600, proc, "the first distilled part")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (copy / "distill" / done.name / "stage.json").exists()
+    assert not (out / "stage.json").exists()
     rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    assert "distill: reusing" not in rerun.stdout + rerun.stderr
     for name in ("train.parquet", "valid.hyp", "test.hyp"):
-        assert (copy / "distill" / done.name / name).read_bytes() == (done / name).read_bytes()
+        assert (out / name).read_bytes() == (unbroken / name).read_bytes()
