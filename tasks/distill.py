@@ -115,9 +115,11 @@ def _fetched(model: str, uri: str, work: Path) -> str:
 
 
 def teacher_files(params: RunParams) -> dict[str, str]:
-    """sha256 of the teacher model files the params name (none for teachers trained here:
-    their fingerprints come with their runs)."""
-    return {str(Path(m).resolve()): file_sha256(m) for m in params.distill.teachers.models}
+    """sha256 of the teacher model files the params name, by position (none for teachers
+    trained here: their fingerprints come with their runs). Not by path: a file moved, or
+    a work dir copied with the teachers fetched into it, is the same teacher."""
+    models = params.distill.teachers.models
+    return {f"teacher-{i}": file_sha256(m) for i, m in enumerate(models, 1)}
 
 
 def gather_teachers(r) -> dict:

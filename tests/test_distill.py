@@ -26,7 +26,7 @@ from prefect.testing.utilities import prefect_test_harness
 from test_translate import write_model_file
 
 from flows.wmt14_ende import wmt14_ende
-from tasks.distill import check_teachers, fetch_registered, gather_teachers
+from tasks.distill import check_teachers, fetch_registered, gather_teachers, teacher_files
 from tasks.registry import register
 from tasks.settings import load_run_params
 from tasks.stages import StageRun
@@ -152,6 +152,13 @@ def test_registered_teachers_are_fetched_once_into_the_work_dir(teachers, tmp_pa
     report = gather_teachers(r)["teachers"]
     assert [t["registered"] for t in report] == ["models:/teacher/1", "models:/teacher/2"]
     assert report[0]["model"] == "registry/teacher/1/model.pt"  # a moved work dir finds it
+    # What keys the stages is each file's sha256, not its path: a copy is the same teacher.
+    moved = shutil.copy(fetched[0], tmp_path / "moved.pt")
+    teachers_moved = resolved.distill.teachers.model_copy(update={"models": [moved, fetched[1]]})
+    distill_moved = resolved.distill.model_copy(update={"teachers": teachers_moved})
+    assert teacher_files(resolved.model_copy(update={"distill": distill_moved})) == (
+        teacher_files(resolved)
+    )
 
 
 @pytest.mark.parametrize("model, message", [
