@@ -122,13 +122,13 @@ def run_stages(params: RunParams, key: str, params_file: Path, work: Path, refre
     if opened.name in ONE_LINE:  # a state of its own: a task's would count as "1 failed"
         return Failed(name=opened.name, message=opened.message)
     run = opened.result()
+    try:  # registered teachers: fetched from the run's registry, then files like any other
+        params = fetch_registered(params, run["uri"], work)
+    except BaseException as err:
+        mark_failed(run)
+        return user_failure("teachers", err)  # a bug, or a stop, is raised again
     records: dict[str, dict] = {}
     try:
-        try:  # registered teachers: fetched from the run's registry, then files like any other
-            params = fetch_registered(params, run["uri"], work)
-        except Exception as err:
-            mark_failed(run)
-            return user_failure("teachers", err)
         for stage in stages.STAGES:  # the DAG, in order
             STOP.raise_if_stopped()
             if stage.asked is not None and not stage.asked(params):

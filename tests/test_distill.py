@@ -146,8 +146,8 @@ def test_registered_teachers_are_fetched_once_into_the_work_dir(teachers, tmp_pa
     for path, model in zip(fetched, teachers, strict=True):
         assert Path(path).read_bytes() == model.read_bytes()
     shutil.rmtree(tmp_path / "mlartifacts")  # fetched once: the work dir's copies serve
-    assert fetch_registered(params, uri, work).distill.teachers.models == fetched
     resolved = fetch_registered(params, uri, work)
+    assert resolved.distill.teachers.models == fetched
     r = StageRun(resolved, {}, {}, work / "teachers" / "k", student, {}, "cpu")
     report = gather_teachers(r)["teachers"]
     assert [t["registered"] for t in report] == ["models:/teacher/1", "models:/teacher/2"]
@@ -177,7 +177,7 @@ def test_a_registered_teacher_that_is_not_there_is_one_line(model, message, tmp_
     assert not (tmp_path / "work" / "registry").exists()
 
 
-def test_a_registered_teacher_is_named_as_the_registry_names_it(tmp_path):
+def test_a_registered_name_that_is_no_folder_name_is_one_line(tmp_path):
     student = tmp_path / "student.yaml"
     student.write_text(f"extends: {ROOT / 'params' / 'smoke.yaml'}\n"
                        "distill: {teachers: {models: ['models:/../x/1']}}\n")  # fmt: skip
@@ -297,10 +297,7 @@ def _distilled(work: Path, registry: bool = False) -> Path:
 
 def _teacher_runs(work: Path) -> list[dict]:
     folder = _teachers(work)
-    return [
-        {**t, "model": str(work / t["model"])}
-        for t in json.loads((folder / "stage.json").read_text())["report"]["teachers"]
-    ]
+    return [{**t, "model": str(work / t["model"])} for t in _record(folder)["report"]["teachers"]]
 
 
 def test_the_student_run_names_its_teachers(flows):
@@ -357,12 +354,18 @@ def test_a_kill_inside_distill_and_its_rerun_make_the_same_corpus(flows, params,
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
-    wait_for((out / "parts" / "00000.parquet").is_file, 600, proc, "the first distilled part")
+    first = out / "parts" / "00000.parquet"
+    wait_for(first.is_file, 600, proc, "the first distilled part")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "stage.json").exists()
+    written = first.stat().st_ino
     rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
     assert "distill: reusing" not in rerun.stdout + rerun.stderr
+    assert first.stat().st_ino == written  # resumed: the part made before the kill is kept
+    # Every other stage is the copy's own, found done: no new teachers, corpus or student.
+    for stage in ("teachers", "distill", "train"):
+        assert len(_folders(copy, stage)) == len(_folders(work, stage))
     for name in ("train.parquet", "valid.hyp", "test.hyp"):
         assert (out / name).read_bytes() == (unbroken / name).read_bytes()
