@@ -139,6 +139,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One Prefect test server (a temporary database) for the modules that run the flow in
+    this process (tests/test_flow.py, tests/test_distill.py): its start is paid once. The
+    flows pick their own MLflow store (the work dir's), whatever the shell points at."""
+    import os
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ.pop("MLFLOW_EXPERIMENT_NAME", None)
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
 # The smoke flow with enough training to learn something, little enough for CI
 # (tests/test_flow.py, tests/test_reliability.py).
 TINY_FLOW = [

@@ -22,7 +22,6 @@ from conftest import wait_for
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-from prefect.testing.utilities import prefect_test_harness
 from test_translate import write_model_file
 
 from flows.wmt14_ende import wmt14_ende
@@ -233,23 +232,20 @@ def params(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def flows(params, tmp_path_factory):
-    """The three students in one work dir, in this process (a Prefect test server), in
+def flows(params, prefect_api, tmp_path_factory):
+    """The three students in one work dir, in this process (the Prefect test server), in
     order."""
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    os.environ.pop("MLFLOW_EXPERIMENT_NAME", None)
     work = tmp_path_factory.mktemp("distill_work")
     results = {}
-    with prefect_test_harness(server_startup_timeout=120):
-        for name in ("student", "student2", "student3"):
-            state = wmt14_ende(str(params[name]), [], str(work), return_state=True)
-            assert state.is_completed(), state
-            results[name] = state.result()
-        with get_client(sync_client=True) as client:
-            artifacts = client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["wmt14-ende-results"]))
-            )
-        results["artifacts"] = [a.data for a in artifacts]
+    for name in ("student", "student2", "student3"):
+        state = wmt14_ende(str(params[name]), [], str(work), return_state=True)
+        assert state.is_completed(), state
+        results[name] = state.result()
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["wmt14-ende-results"]))
+        )
+    results["artifacts"] = [a.data for a in artifacts]
     return work, results
 
 

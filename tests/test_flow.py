@@ -33,7 +33,6 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.schedules import IntervalSchedule
 from prefect.exceptions import ObjectNotFound
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.wmt14_ende import wmt14_ende
 from tasks import stages
@@ -47,15 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "params" / "smoke.yaml")
 STAGES = {"prepare", "clean", "vocab", "shards", "train", "average", "decode", "export"}
 
-pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def harness():
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    os.environ.pop("MLFLOW_EXPERIMENT_NAME", None)
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("prefect_api")]
 
 
 @pytest.fixture(scope="module")
