@@ -14,7 +14,9 @@ the store; to load or serve a model from a moved work dir without running a flow
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -46,11 +48,14 @@ def register(
     for version in versions:
         if version.tags.get("model_fingerprint") == fingerprint:
             return version.version
-    mlflow.set_tracking_uri(run["uri"])
     # MLflow's advice on logging (type hints on predict, an input example: two UserWarnings)
     # is for models whose signature it infers; this one's is given, a list of sentences.
     # log_model resets the filters to show each warning once, so they are caught, not shown.
-    with mlflow.start_run(run_id=run["run_id"]), warnings.catch_warnings(record=True):
+    with (
+        _fluent_at(run["uri"]),
+        mlflow.start_run(run_id=run["run_id"]),
+        warnings.catch_warnings(record=True),
+    ):
         info = mlflow.pyfunc.log_model(
             name="translator",
             loader_module=LOADER,
@@ -74,6 +79,22 @@ def register(
         client.set_model_version_tag(name, version, key, str(value))
     promote_if_best(client, name, version, tags["valid_bleu"])
     return version
+
+
+@contextlib.contextmanager
+def _fluent_at(uri: str):
+    """MLflow's fluent API (start_run, log_model) at `uri` for the block, and the process
+    as it was after it. set_tracking_uri also writes MLFLOW_TRACKING_URI into os.environ,
+    which wins over a work dir's own store (tasks/settings.py): left there, the next flow
+    of a process that serves deployments would log into this run's store."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(None)  # forgets the URI and drops the variable
+        if before is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 def promote_if_best(client, name: str, version: str, valid_bleu: float) -> None:

@@ -4,6 +4,7 @@ registered model loads from a moved work dir and carries no code."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -12,11 +13,12 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
+from test_translate import write_model_file
 
 from flows.wmt14_ende import open_run
 from tasks import registry
 from tasks.registry import BEST, promote_if_best
-from tasks.settings import experiment_name, load_run_params
+from tasks.settings import experiment_name, load_run_params, tracking_uri
 from transformer.config import params_hash
 
 PARAMS = Path(__file__).resolve().parents[1] / "params"
@@ -87,6 +89,26 @@ def test_an_english_czech_run_registers_under_its_own_pair(tmp_path, monkeypatch
     run = open_run.fn(params, params_hash(params), "encs", str(tmp_path))
     assert run["registered_model"] == "wmt14-encs-encs"
     assert MlflowClient(run["uri"]).get_experiment(run["experiment_id"]).name == "wmt14-encs"
+
+
+@pytest.mark.parametrize("shell", [None, "sqlite:////srv/mlflow.db"])
+def test_registering_leaves_the_next_flow_its_own_store(shell, tmp_path, monkeypatch):
+    """A process that serves deployments runs flow after flow. Registering one run's model
+    leaves MLFLOW_TRACKING_URI as it found it: unset, the next flow's store is its own work
+    dir's, not this run's; set by the shell, still the shell's."""
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", None)
+    params = load_run_params(PARAMS / "smoke.yaml")
+    run = open_run.fn(params, params_hash(params), "smoke", str(tmp_path / "first"))
+    if shell:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", shell)
+    test = {"bleu": 1.0, "bleu_lc": 1.0, "chrf": 1.0, "bleu_signature": "-"}
+    model = write_model_file(tmp_path / "model.pt", 1)
+    assert registry.register(run, model, {"valid": {"bleu": 1.0}, "test": test}, "fp", {}) == "1"
+    assert os.environ.get("MLFLOW_TRACKING_URI") == shell
+    second = tmp_path / "second"
+    assert tracking_uri(params, second) == (shell or f"sqlite:///{second / 'mlflow.db'}")
 
 
 ROOT = Path(__file__).resolve().parents[1]
