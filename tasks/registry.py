@@ -87,14 +87,16 @@ def _fluent_at(uri: str):
     as it was after it. set_tracking_uri also writes MLFLOW_TRACKING_URI into os.environ,
     which wins over a work dir's own store (tasks/settings.py): left there, the next flow
     of a process that serves deployments would log into this run's store."""
-    before = os.environ.get("MLFLOW_TRACKING_URI")
+    variable = os.environ.get("MLFLOW_TRACKING_URI")
+    before = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
     mlflow.set_tracking_uri(uri)
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(None)  # forgets the URI and drops the variable
-        if before is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = before
+        mlflow.set_tracking_uri(before)  # None: forgets the URI and drops the variable
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        if variable is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = variable
 
 
 def promote_if_best(client, name: str, version: str, valid_bleu: float) -> None:

@@ -107,6 +107,7 @@ def test_registering_leaves_the_next_flow_its_own_store(shell, tmp_path, monkeyp
     model = write_model_file(tmp_path / "model.pt", 1)
     assert registry.register(run, model, {"valid": {"bleu": 1.0}, "test": test}, "fp", {}) == "1"
     assert os.environ.get("MLFLOW_TRACKING_URI") == shell
+    assert mlflow.get_tracking_uri() != run["uri"]
     second = tmp_path / "second"
     assert tracking_uri(params, second) == (shell or f"sqlite:///{second / 'mlflow.db'}")
 
