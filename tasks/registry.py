@@ -93,9 +93,10 @@ def _fluent_at(uri: str):
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(before)  # None: forgets the URI and drops the variable
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-        if variable is not None:
+        mlflow.set_tracking_uri(before)  # which sets the variable, or drops it: as it was
+        if variable is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
             os.environ["MLFLOW_TRACKING_URI"] = variable
 
 

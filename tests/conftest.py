@@ -144,13 +144,11 @@ def prefect_api():
     """One Prefect test server (a temporary database) for the modules that run the flow in
     this process (tests/test_flow.py, tests/test_distill.py): its start is paid once. The
     flows pick their own MLflow store (the work dir's), whatever the shell points at."""
-    import os
-
     from prefect.testing.utilities import prefect_test_harness
 
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    os.environ.pop("MLFLOW_EXPERIMENT_NAME", None)
-    with prefect_test_harness(server_startup_timeout=120):
+    with pytest.MonkeyPatch.context() as env, prefect_test_harness(server_startup_timeout=120):
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)
+        env.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
         yield
 
 

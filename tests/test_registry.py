@@ -91,23 +91,30 @@ def test_an_english_czech_run_registers_under_its_own_pair(tmp_path, monkeypatch
     assert MlflowClient(run["uri"]).get_experiment(run["experiment_id"]).name == "wmt14-encs"
 
 
-@pytest.mark.parametrize("shell", [None, "sqlite:////srv/mlflow.db"])
-def test_registering_leaves_the_next_flow_its_own_store(shell, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["nowhere", "the shell", "the process"])
+def test_registering_leaves_the_next_flow_its_own_store(where, tmp_path, monkeypatch):
     """A process that serves deployments runs flow after flow. Registering one run's model
-    leaves MLFLOW_TRACKING_URI as it found it: unset, the next flow's store is its own work
-    dir's, not this run's; set by the shell, still the shell's."""
+    leaves the tracking URI as it found it: unset, the next flow's store is its own work
+    dir's, not this run's; set by the shell (the variable), still the shell's; set in the
+    process (mlflow.set_tracking_uri, no variable), still the process's."""
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", None)
     params = load_run_params(PARAMS / "smoke.yaml")
     run = open_run.fn(params, params_hash(params), "smoke", str(tmp_path / "first"))
-    if shell:
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", shell)
+    elsewhere = "sqlite:////srv/mlflow.db"
+    if where == "the shell":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
+    if where == "the process":
+        monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", elsewhere)
     test = {"bleu": 1.0, "bleu_lc": 1.0, "chrf": 1.0, "bleu_signature": "-"}
     model = write_model_file(tmp_path / "model.pt", 1)
     assert registry.register(run, model, {"valid": {"bleu": 1.0}, "test": test}, "fp", {}) == "1"
+    shell = elsewhere if where == "the shell" else None
     assert os.environ.get("MLFLOW_TRACKING_URI") == shell
     assert mlflow.get_tracking_uri() != run["uri"]
+    if where != "nowhere":
+        assert mlflow.get_tracking_uri() == elsewhere
     second = tmp_path / "second"
     assert tracking_uri(params, second) == (shell or f"sqlite:///{second / 'mlflow.db'}")
 
