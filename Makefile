@@ -34,11 +34,11 @@ lock: setup  ## re-resolve requirements.lock from pyproject.toml's ranges (then 
 demo: setup  ## the smoke pipeline end to end (Prefect's temporary API, MLflow on SQLite)
 	$(BIN)/python -m flows.wmt14_ende $(PARAMS) --work-dir $(WORK) $(DEMO_ARGS)
 
-test: setup  ## the default test suite (CPU, minutes)
-	$(BIN)/python -m pytest -q
+test: setup  ## the default test suite (CPU, minutes), on two workers
+	$(BIN)/python -m pytest -q -n 2
 
 test-all: setup  ## also the slow tests
-	$(BIN)/python -m pytest -q -m "not gpu"
+	$(BIN)/python -m pytest -q -n 2 -m "not gpu"
 
 lint: setup
 	$(BIN)/ruff check .
