@@ -9,13 +9,16 @@ from conftest import GROUPS, SHARED
 
 
 def test_each_module_sharing_a_costly_fixture_is_in_its_group(request):
+    """Those of this run (slow ones deselected, a module may use none: it may stay)."""
     uses: dict[str, set[str]] = {}
-    for item in request.session.items:  # every module collected in this run
+    for item in request.session.items:
         module = Path(item.nodeid.split("::")[0]).stem
-        groups = uses.setdefault(module, set())
-        groups.update(SHARED[name] for name in item.fixturenames if name in SHARED)
+        uses.setdefault(module, set()).update(
+            SHARED[name] for name in item.fixturenames if name in SHARED
+        )
     for module, groups in uses.items():
         assert len(groups) <= 1, f"{module} uses fixtures of two groups: {groups}"
-        assert GROUPS.get(module) == next(iter(groups), None), (
-            f"{module}: uses {groups or 'no shared fixture'}, GROUPS says {GROUPS.get(module)}"
-        )
+        if groups:
+            assert GROUPS.get(module) == next(iter(groups)), f"{module}: not in GROUPS"
+    for module in GROUPS:
+        assert (Path(__file__).parent / f"{module}.py").is_file(), module
