@@ -37,8 +37,8 @@ demo: setup  ## the smoke pipeline end to end (Prefect's temporary API, MLflow o
 test: setup  ## the default test suite (CPU, minutes), on two workers
 	$(BIN)/python -m pytest -q -n 2
 
-test-all: setup  ## also the slow tests
-	$(BIN)/python -m pytest -q -n 2 -m "not gpu"
+test-all: setup  ## also the slow tests, on one worker (some time how fast a stop ends)
+	$(BIN)/python -m pytest -q -m "not gpu"
 
 lint: setup
 	$(BIN)/ruff check .
