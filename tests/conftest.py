@@ -58,6 +58,8 @@ GROUPS = {
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":  # -n alone; another --dist is left to xdist
+        return None
     from xdist.scheduler import LoadFileScheduling
 
     class ByModuleGroup(LoadFileScheduling):
