@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from workers import pytest_xdist_make_scheduler  # noqa: F401 (make test's two workers)
 
 from transformer.config import ShardConfig, VocabConfig
 from transformer.data.shard import encode_and_shard
@@ -40,34 +41,6 @@ LEXICON = {
     "green": "gruen",
 }
 SIZES = {"train": 400, "valid": 40, "test": 30}
-
-# `make test` runs the suite on two workers (pytest-xdist): the tests are mostly processes
-# that start and wait, one core busy on average. A module's tests stay on one worker, so its
-# module fixtures are made once, and so do the modules sharing a costly session fixture (a
-# trained run, a finished flow): GROUPS, checked against the fixtures they use by
-# tests/test_suite.py. (xdist's --dist loadgroup would say it with marks, but under pytest
-# 9.2 it drops them: pytest-xdist#1386.)
-SHARED = {"golden_run": "golden", "smoke_model": "golden", "fresh_flow": "fresh_flow"}
-GROUPS = {
-    **dict.fromkeys(["test_export", "test_golden", "test_search", "test_static_search"],
-                    "golden"),
-    **dict.fromkeys(["test_flow", "test_readme", "test_registry", "test_reliability",
-                     "test_slurm"], "fresh_flow"),
-}  # fmt: skip
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "load":  # -n alone; another --dist is left to xdist
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class ByModuleGroup(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = Path(super()._split_scope(nodeid)).stem
-            return GROUPS.get(module, module)
-
-    return ByModuleGroup(config, log)
 
 
 def tiny_pairs(n: int, rng: random.Random) -> tuple[list[str], list[str]]:
