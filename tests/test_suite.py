@@ -13,7 +13,8 @@ from workers import GROUPS, SHARED
 
 
 def test_each_module_sharing_a_costly_fixture_is_in_its_group(request):
-    """Those of this run (slow ones deselected, a module may use none: it may stay)."""
+    """The modules collected in this run; one whose sharing tests are all slow (deselected
+    here) may stay in its group."""
     uses: dict[str, set[str]] = {}
     for item in request.session.items:
         module = Path(item.nodeid.split("::")[0]).stem
