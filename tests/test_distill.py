@@ -6,6 +6,7 @@ the distill stage with its rerun, byte for byte."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -90,14 +91,18 @@ def test_the_training_targets_are_the_ensembles_beam_translations(cleaned, teach
     assert set(report["scores"]) == {"valid", "test"} and "bleu" in report["scores"]["valid"]
 
 
-def test_a_stopped_distillation_resumes_at_its_first_missing_part(cleaned, teachers, tmp_path):
+def test_a_stopped_distillation_resumes_at_its_first_missing_part(
+    cleaned, teachers, tmp_path, caplog
+):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), whole, "cpu")
     (resumed / "parts").mkdir(parents=True)
     shutil.copy(whole / "parts" / "00000.parquet", resumed / "parts")
     (resumed / "parts" / ".00001.parquet.0123.tmp").write_bytes(b"half a part")
     # A part found is read back, not translated again: a wrong one shows in the corpus.
+    caplog.set_level(logging.INFO, logger="transformer")
     distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), resumed, "cpu")
+    assert "distilling: 1/3 parts written by a stopped run, read back" in caplog.messages
     assert (resumed / "train.parquet").read_bytes() == (whole / "train.parquet").read_bytes()
     assert not list((resumed / "parts").glob(".*"))
 

@@ -89,3 +89,18 @@ def test_a_rate_and_a_time_left_in_every_line(monkeypatch, caplog):
         "decoding test: 1,000/3,000 sentences (33%), 100 sentences/s, eta 20s",
         "decoding test: 2,000/3,000 sentences (66%), 100 sentences/s, eta 10s",
     ]
+
+
+def test_work_a_stopped_run_did_counts_as_done_not_toward_the_rate(monkeypatch, caplog):
+    """A rerun reads the parts a stopped distillation wrote in a moment: its first line
+    would otherwise claim a rate of thousands of sentences a second and no time left."""
+    log = logging.getLogger("transformer.test")
+    caplog.set_level(logging.INFO, logger="transformer")
+    ticks = iter([0.0, 10.0, 20.0])
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(ticks))
+    meter = console.Progress("distilling", 3_000, "sentences", log, every_s=5.0)
+    meter.update(2_000, resumed=True)  # read back at 10 s: nothing decoded yet, nothing said
+    meter.update(500)  # 500 decoded in 20 s
+    assert [r.getMessage() for r in caplog.records] == [
+        "distilling: 2,500/3,000 sentences (83%), 25 sentences/s, eta 20s",
+    ]

@@ -54,19 +54,22 @@ PROGRESS_EVERY_S = 30.0
 class Progress:
     """How far a long job is: a bar on a terminal; elsewhere (a pipeline's log, a pipe) a
     line at every tenth of the way, or every `every_s` seconds, so a slow machine shows
-    progress, not a hang: done/total, the rate, the time left. A total of 0 says nothing."""
+    progress, not a hang: done/total, the rate, the time left. A total of 0 says nothing.
+    Work a stopped run had done (`update(n, resumed=True)`) counts as done, not toward the
+    rate: a rerun's first line would otherwise claim the speed of reading files."""
 
     def __init__(
         self, what: str, total: int, unit: str, log: logging.Logger, every_s: float | None = None
     ):
         self.what, self.total, self.unit, self.log = what, total, unit, log
-        self.done, self.start = 0, time.monotonic()
+        self.done, self.resumed, self.start = 0, 0, time.monotonic()
         self.next_tenth, self.every_s, self.said = 1, every_s, self.start
         self.bar = tqdm(total=total, desc=what, unit=unit, file=sys.stderr,
                         disable=not sys.stderr.isatty() or not total, leave=False)  # fmt: skip
 
-    def update(self, n: int) -> None:
+    def update(self, n: int, resumed: bool = False) -> None:
         self.done += n
+        self.resumed += n if resumed else 0
         self.bar.update(n)
         if not self.bar.disable or not self.total:
             return
@@ -76,12 +79,12 @@ class Progress:
         else:
             due = self.done * 10 >= self.next_tenth * self.total
             self.next_tenth = max(self.next_tenth, self.done * 10 // self.total + 1)
-        if due:
+        if due and self.done > self.resumed:
             self.said = now
             self._line(now - self.start)
 
     def _line(self, elapsed: float) -> None:
-        rate = self.done / max(elapsed, 1e-9)
+        rate = (self.done - self.resumed) / max(elapsed, 1e-9)
         eta = (self.total - self.done) / max(rate, 1e-9)
         self.log.info("%s: %s/%s %s (%d%%), %s %s/s, eta %s", self.what, f"{self.done:,}",
                       f"{self.total:,}", self.unit, 100 * self.done // self.total,

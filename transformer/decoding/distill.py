@@ -83,17 +83,21 @@ def _translate_parts(models, sp, lines: list[str], cfg: DistillConfig, parts: Pa
     for leftover in parts.glob(".*.tmp"):  # a part a stopped run was writing
         leftover.unlink()
     progress = Progress("distilling", len(lines), "sentences", log)
-    made: list[str] = []
     size = cfg.part_pairs
+    if written := len(list(parts.glob("[0-9]*.parquet"))):
+        log.info("distilling: %d/%d parts written by a stopped run, read back", written,
+                 -(-len(lines) // size))  # fmt: skip
+    made: list[str] = []
     for start in range(0, len(lines), size):
         chunk = lines[start : start + size]
         path = parts / f"{start // size:05d}.parquet"
-        if not path.is_file():
+        resumed = path.is_file()
+        if not resumed:
             hyps = translate_lines(models, sp, chunk, cfg.decode, device)
             table = pa.table({"hyp": pa.array(hyps, pa.string())})
             atomic_write(path, lambda f, table=table: pq.write_table(table, f))
         made += _read_part(path, len(chunk))
-        progress.update(len(chunk))
+        progress.update(len(chunk), resumed)
     progress.close()
     return made
 
