@@ -44,8 +44,8 @@ from prefect.settings import get_current_settings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.local_api import LocalApiError, wait_for_api
-from flows.wmt14_ende import wmt14_ende
-from tasks.tracking import CREDENTIAL_ADVICE, holds_credential, redact
+from flows.pipeline import wmt14_ende
+from tasks.credentials import CREDENTIAL_ADVICE, holds_credential, redact
 from transformer.cli import ArgumentParser
 from transformer.config import read_yaml
 
@@ -200,7 +200,7 @@ def register_for_pool(specs: dict[str, DeploymentSpec], work_dir: str, names: li
                       pool: str) -> None:  # fmt: skip
     """The deployments as `<name>-<pool>`, run by a worker of `pool` from this checkout
     (its folder is the runs' working directory: relative paths in params resolve there)."""
-    source = wmt14_ende.from_source(source=str(ROOT), entrypoint="flows/wmt14_ende.py:wmt14_ende")
+    source = wmt14_ende.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:wmt14_ende")
     for name in names:
         try:
             source.deploy(

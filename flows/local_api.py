@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
-from tasks.tracking import redact
+from tasks.credentials import redact
 
 START_TIMEOUT_S = 180  # a busy 2-core machine takes ~15 s
 

@@ -11,11 +11,12 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.credentials import redact
 from tasks.registry import register
 from tasks.report import plot_training_curve
 from tasks.runner import user_failure
 from tasks.stages import OWN, named
-from tasks.tracking import client_for, log_metrics, numbers, redact, store_errors
+from tasks.tracking import client_for, log_metrics, numbers, store_errors
 
 # Final scores of the averaged model with beam search: the valid split as dev/*, the test
 # split as test/*. During training, valid/* is the curve of validations (greedy by default).

@@ -30,9 +30,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed, State
 
+from tasks.credentials import redact
 from tasks.settings import RunParams
 from tasks.stages import Stage, StageRun, named, stage_key
-from tasks.tracking import TrackingLost, log_metrics, numbers, redact, stage_run, store_errors
+from tasks.tracking import TrackingLost, log_metrics, numbers, stage_run, store_errors
 from transformer.cli import USER_ERRORS, UserError, one_line
 from transformer.config import fingerprint
 from transformer.files import (

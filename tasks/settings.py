@@ -14,13 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from tasks.tracking import (
-    CREDENTIAL,
-    CREDENTIAL_ADVICE,
-    TrackingError,
-    credentials_to_env,
-    holds_credential,
-)
+from tasks.credentials import CREDENTIAL, CREDENTIAL_ADVICE, holds_credential
 from transformer.config import Params, ParamsError, Section, load_params, operational
 
 # What the slurm launcher's batch script sets itself (tasks/slurm.py), or the keys above do:
@@ -146,19 +140,6 @@ def load_run_params(path: str | os.PathLike, overrides: list[str] | tuple = ()) 
             key = "an override" if not key or holds_credential(key) else key
             raise ParamsError(f"{path} (override): {key}: {CREDENTIAL_ADVICE}")
     return load_params(Path(path), overrides, schema=RunParams)
-
-
-def tracking_uri(params: RunParams, work_dir: Path) -> str:
-    """The MLflow store's URI: the environment's (a server's credentials moved to the
-    variables MLflow reads them from), else the params' (which hold no credential)."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.pipeline.tracking_uri
-    if uri:
-        return credentials_to_env(uri)
-    db = work_dir.resolve() / "mlflow.db"
-    if "?" in str(db) or not str(db).isprintable():  # a URL's query starts at "?"
-        raise TrackingError(f"work dir {work_dir}: a '?' or a control character in its path "
-                            "cannot be in an MLflow store's URL: choose another")  # fmt: skip
-    return f"sqlite:///{db}"
 
 
 def experiment_name(params: RunParams) -> str:

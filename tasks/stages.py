@@ -2,7 +2,7 @@
 
 Each row names a stage, the params sections whose identity decides its output, the stages
 whose outputs it reads, and the library function that does the work. From the table follow
-the flow (flows/wmt14_ende.py runs the rows the params ask for, in order), the folder
+the flow (flows/pipeline.py runs the rows the params ask for, in order), the folder
 layout, reuse, and the MLflow child runs (tasks/runner.py). A new stage is one row here and
 one library function; a new params section for it, if it needs one, goes in
 transformer/config/schema.py.

@@ -127,6 +127,21 @@ def test_a_credential_in_an_override_is_one_line_before_prefect_starts(
     assert not (tmp_path / "work").exists()
 
 
+def test_a_params_error_comes_before_prefect_mlflow_and_torch_load(tmp_path):
+    """The command reads the params with pydantic alone: a typo's one line in about a
+    second, not after the seconds those three take to import."""
+    probe = (
+        "import sys\nfrom flows.wmt14_ende import main\n"
+        f"code = main([{str(SMOKE)!r}, 'model.d_model=abc', '--work-dir', {str(tmp_path)!r}])\n"
+        "print(code, sorted(m for m in ('prefect', 'mlflow', 'torch') if m in sys.modules))"
+    )
+    got = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert got.stdout.split("\n")[0] == "2 []", got.stdout + got.stderr
+    assert (
+        got.stderr == f"error: {SMOKE} (override): model.d_model: Input should be a valid integer\n"
+    )
+
+
 def test_a_credential_in_a_params_file_is_refused_naming_the_key(tmp_path):
     params = tmp_path / "team.yaml"
     params.write_text(
@@ -154,7 +169,7 @@ def test_prefects_server_refuses_a_run_whose_override_holds_a_credential_quoting
     from prefect.utilities.callables import parameter_schema
     from prefect.utilities.schema_tools.validation import ValidationError, validate
 
-    from flows.wmt14_ende import wmt14_ende
+    from flows.pipeline import wmt14_ende
 
     schema = parameter_schema(wmt14_ende).model_dump()
     with pytest.raises(ValidationError) as err:
@@ -176,7 +191,7 @@ def test_prefects_server_refuses_a_run_whose_override_holds_a_credential_quoting
 def test_the_environments_credential_is_stars_in_every_line(uri):
     """A URI from MLFLOW_TRACKING_URI (the one place a credential may be): from then on
     redact() stars it wherever a line quotes it, its URI or a library's message."""
-    from tasks.tracking import credentials_to_env, redact
+    from tasks.credentials import credentials_to_env, redact
 
     password = uri.partition("alice:")[2].rpartition("@")[0]
     kept = credentials_to_env(uri)
@@ -185,7 +200,8 @@ def test_the_environments_credential_is_stars_in_every_line(uri):
 
 
 def test_a_database_store_without_its_driver_is_one_line(monkeypatch):
-    from tasks.tracking import TrackingError, check_store, credentials_to_env
+    from tasks.credentials import credentials_to_env
+    from tasks.tracking import TrackingError, check_store
 
     uri = credentials_to_env(f"postgresql://alice:{SECRET}/x@host/db")
     with pytest.raises(TrackingError) as err:

@@ -25,7 +25,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from test_translate import write_model_file
 
-from flows.wmt14_ende import wmt14_ende
+from flows.pipeline import wmt14_ende
 from tasks.distill import check_teachers, fetch_registered, gather_teachers, teacher_files
 from tasks.registry import register
 from tasks.settings import load_run_params

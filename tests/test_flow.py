@@ -34,7 +34,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.schedules import IntervalSchedule
 from prefect.exceptions import ObjectNotFound
 
-from flows.wmt14_ende import wmt14_ende
+from flows.pipeline import wmt14_ende
 from tasks import stages
 from tasks.settings import load_run_params
 from tasks.stages import Shown, Stage, StageRun

@@ -15,10 +15,11 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from test_translate import write_model_file
 
-from flows.wmt14_ende import open_run
+from flows.pipeline import open_run
 from tasks import registry
 from tasks.registry import BEST, promote_if_best
-from tasks.settings import experiment_name, load_run_params, tracking_uri
+from tasks.settings import experiment_name, load_run_params
+from tasks.tracking import tracking_uri
 from transformer.config import params_hash
 
 PARAMS = Path(__file__).resolve().parents[1] / "params"

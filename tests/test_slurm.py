@@ -253,7 +253,7 @@ def test_the_guide_runs_what_the_tests_run():
     """docs/guides/many-nodes.md: the deployment run names a deployment of prefect.yaml, the
     flow's own parameter, a Prefect option, and overrides that validate against its params;
     the flow command is the one the smoke flow test above runs on a real Slurm."""
-    from flows.wmt14_ende import wmt14_ende
+    from flows.pipeline import wmt14_ende
 
     deploy, run = guide_commands()
     assert deploy[:3] == ["prefect", "deployment", "run"] and deploy[4] == "-p"

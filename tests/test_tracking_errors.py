@@ -22,12 +22,12 @@ from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.exceptions import ObjectNotFound
 
+from tasks.credentials import redact
 from tasks.tracking import (
     TrackingError,
     client_for,
     create_sqlite_store,
     experiment_id,
-    redact,
     store_errors,
 )
 
