@@ -23,12 +23,17 @@ from collections.abc import Callable, Iterator
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
 from tasks.credentials import redact
+from transformer.cli import UserError
 
 START_TIMEOUT_S = 180  # a busy 2-core machine takes ~15 s
 
 
 class LocalApiError(RuntimeError):
     """The private API did not come up; the message is one line, the server's last words."""
+
+
+class NoServer(UserError):
+    """PREFECT_API_URL names a server that does not answer: the user's setting to mend."""
 
 
 @contextlib.contextmanager
@@ -57,10 +62,10 @@ def local_api() -> Iterator[str]:
 
 def check_api(url: str) -> None:
     """That the Prefect API at `url` (PREFECT_API_URL) answers: else the flow would retry it
-    for minutes and end in a traceback. LocalApiError names the URL, credentials redacted."""
+    for minutes and end in a traceback. NoServer names the URL, credentials redacted."""
     reason = _unhealthy(url, timeout=10)
     if reason:
-        raise LocalApiError(
+        raise NoServer(
             f"PREFECT_API_URL {redact(url)}: no Prefect API answers ({reason}): start the "
             "server (prefect server start), or unset PREFECT_API_URL for a temporary one"
         )

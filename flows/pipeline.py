@@ -50,9 +50,9 @@ from tasks.tracking import (
     store_errors,
     tracking_uri,
 )
-from transformer.config import ParamsError, params_hash, to_yaml
+from transformer.config import params_hash, to_yaml
 from transformer.files import PARAMS, atomic_write, locked
-from transformer.training.preflight import PreflightError, preflight
+from transformer.training.preflight import preflight
 
 logging.getLogger("transformer").setLevel(logging.INFO)
 
@@ -210,19 +210,15 @@ def run(args: argparse.Namespace, params: RunParams) -> int:
 
 def _run(args: argparse.Namespace, params: RunParams) -> int:
     # Fail fast, before Prefect starts, with what the params would fail at after hours
-    # (transformer/training/preflight.py). The flow reads the file again (a deployment
-    # starts it with the file's path, not with a tree).
-    try:
-        check_teachers(params, Path(args.params))
-        plan = preflight(params, args.params, args.overrides)
-        server = os.environ.get("PREFECT_API_URL")
-        if server:
-            check_api(server)
-    except (ParamsError, PreflightError, LocalApiError) as err:
-        print(f"error: {redact(str(err))}".replace("\n", "; "), file=sys.stderr)
-        return 2
+    # (transformer/training/preflight.py), a UserError the command says in one line. The
+    # flow reads the file again (a deployment starts it with the file's path, not a tree).
+    check_teachers(params, Path(args.params))
+    plan = preflight(params, args.params, args.overrides)
+    server = os.environ.get("PREFECT_API_URL")
+    if server:
+        check_api(server)
     print("\n".join(plan), flush=True)
-    try:  # (an override that holds a credential was refused before, in load_run_params)
+    try:  # (an override that holds a credential was refused before: load_run_params)
         with local_api() if not server else contextlib.nullcontext():
             state = wmt14_ende(args.params, args.overrides, args.work_dir, args.refresh,
                                return_state=True)  # fmt: skip

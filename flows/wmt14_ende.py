@@ -1,4 +1,4 @@
-"""The `wmt14-ende` pipeline (flows/pipeline.py) from the command line:
+"""Run the `wmt14-ende` pipeline (the flow: flows/pipeline.py) for one params file.
 
     python -m flows.wmt14_ende params/smoke.yaml [dotted.key=value ...] [--work-dir DIR]
 
@@ -14,29 +14,32 @@ import sys
 
 from tasks.credentials import redact
 from tasks.settings import load_run_params
-from transformer.cli import ArgumentParser
-from transformer.config import ParamsError
+from transformer.cli import ArgumentParser, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m flows.wmt14_ende",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("params", help="params file, e.g. params/smoke.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value")
     parser.add_argument("--work-dir", default="work", help="stage outputs and MLflow store")
     parser.add_argument("--refresh", action="store_true", help="recompute every stage")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --work-dir
-    # The params first, with nothing but pydantic loaded: a typo's one line comes in about
-    # a second, not after the seconds that Prefect, MLflow and torch take to import.
     try:
+        # The params first, with nothing but pydantic loaded: a typo's one line in about a
+        # second, not after the seconds that Prefect, MLflow and torch take to import.
+        # (A stop in that second ends the process as Python does; from the flow's start on,
+        # as flows/stop.py says.)
         params = load_run_params(args.params, args.overrides)
-    except ParamsError as err:
+        from flows.pipeline import run
+
+        return run(args, params)
+    except UserError as err:  # the params, or what they would fail at after hours
         print(f"error: {redact(str(err))}".replace("\n", "; "), file=sys.stderr)
         return 2
-    from flows.pipeline import run  # (Prefect, MLflow, torch: the seconds saved above)
-
-    return run(args, params)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def register(
 def _fluent_at(uri: str):
     """MLflow's fluent API (start_run, log_model) at `uri` for the block, and the process
     as it was after it. set_tracking_uri also writes MLFLOW_TRACKING_URI into os.environ,
-    which wins over a work dir's own store (tasks/settings.py): left there, the next flow
+    which wins over a work dir's own store (tasks/tracking.py): left there, the next flow
     of a process that serves deployments would log into this run's store."""
     variable = os.environ.get("MLFLOW_TRACKING_URI")
     before = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None

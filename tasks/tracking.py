@@ -29,6 +29,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from tasks.credentials import credentials_to_env, redact
+from tasks.settings import RunParams
 from transformer.cli import UserError
 from transformer.config import Params, flatten, to_dict
 
@@ -56,7 +57,7 @@ class TrackingLost(TrackingError):
 # --------------------------------------------------------------------------- the store
 
 
-def tracking_uri(params: Params, work_dir: Path) -> str:
+def tracking_uri(params: RunParams, work_dir: Path) -> str:
     """The MLflow store's URI: the environment's (a server's credentials moved to the
     variables MLflow reads them from), else the params' (which hold no credential)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or params.pipeline.tracking_uri

@@ -97,7 +97,7 @@ def test_a_job_that_failed_to_launch_is_one_line_not_a_signal_it_never_got(tmp_p
         slurm.raise_for_end("7", "FAILED", 181, False, [], tmp_path)
 
 
-# --- No credential in a Prefect store, a log or an error line (tasks/tracking.py) ----------
+# --- No credential in a Prefect store, a log or an error line (tasks/credentials.py) -------
 
 SECRET = "s3cr3t-pw"
 CREDENTIALS = [  # (override, the key its error names)

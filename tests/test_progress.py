@@ -5,6 +5,7 @@ job done sooner, and only rank 0 in a distributed validation."""
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import re
 
@@ -91,16 +92,28 @@ def test_a_rate_and_a_time_left_in_every_line(monkeypatch, caplog):
     ]
 
 
-def test_work_a_stopped_run_did_counts_as_done_not_toward_the_rate(monkeypatch, caplog):
+def test_what_a_stopped_run_did_counts_as_done_not_toward_the_rate(monkeypatch, caplog):
     """A rerun reads the parts a stopped distillation wrote in a moment: its first line
     would otherwise claim a rate of thousands of sentences a second and no time left."""
     log = logging.getLogger("transformer.test")
     caplog.set_level(logging.INFO, logger="transformer")
-    ticks = iter([0.0, 10.0, 20.0])
+    ticks = iter([0.0, 10.0])
     monkeypatch.setattr(console.time, "monotonic", lambda: next(ticks))
-    meter = console.Progress("distilling", 3_000, "sentences", log, every_s=5.0)
-    meter.update(2_000, resumed=True)  # read back at 10 s: nothing decoded yet, nothing said
-    meter.update(500)  # 500 decoded in 20 s
+    meter = console.Progress("distilling", 3_000, "sentences", log, every_s=5.0, done=2_000)
+    meter.update(500)  # 500 decoded in 10 s
     assert [r.getMessage() for r in caplog.records] == [
-        "distilling: 2,500/3,000 sentences (83%), 25 sentences/s, eta 20s",
+        "distilling: 2,500/3,000 sentences (83%), 50 sentences/s, eta 10s",
     ]
+
+
+def test_a_terminals_bar_starts_at_what_a_stopped_run_did(monkeypatch):
+    """tqdm's rate is (n - initial) / elapsed: the bar's too leaves out the parts read back."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(console.sys, "stderr", Terminal())
+    meter = console.Progress("distilling", 3_000, "sentences", logging.getLogger(), done=2_000)
+    meter.update(500)
+    assert not meter.bar.disable and (meter.bar.initial, meter.bar.n) == (2_000, 2_500)

@@ -55,21 +55,27 @@ class Progress:
     """How far a long job is: a bar on a terminal; elsewhere (a pipeline's log, a pipe) a
     line at every tenth of the way, or every `every_s` seconds, so a slow machine shows
     progress, not a hang: done/total, the rate, the time left. A total of 0 says nothing.
-    Work a stopped run had done (`update(n, resumed=True)`) counts as done, not toward the
-    rate: a rerun's first line would otherwise claim the speed of reading files."""
+    `done`: what a stopped run did, which a rerun starts from; it counts toward the rate
+    neither here nor in the bar."""
 
     def __init__(
-        self, what: str, total: int, unit: str, log: logging.Logger, every_s: float | None = None
+        self,
+        what: str,
+        total: int,
+        unit: str,
+        log: logging.Logger,
+        every_s: float | None = None,
+        done: int = 0,
     ):
         self.what, self.total, self.unit, self.log = what, total, unit, log
-        self.done, self.resumed, self.start = 0, 0, time.monotonic()
-        self.next_tenth, self.every_s, self.said = 1, every_s, self.start
-        self.bar = tqdm(total=total, desc=what, unit=unit, file=sys.stderr,
+        self.done, self.resumed, self.start = done, done, time.monotonic()
+        self.next_tenth = done * 10 // total + 1 if total else 1
+        self.every_s, self.said = every_s, self.start
+        self.bar = tqdm(total=total, initial=done, desc=what, unit=unit, file=sys.stderr,
                         disable=not sys.stderr.isatty() or not total, leave=False)  # fmt: skip
 
-    def update(self, n: int, resumed: bool = False) -> None:
+    def update(self, n: int) -> None:
         self.done += n
-        self.resumed += n if resumed else 0
         self.bar.update(n)
         if not self.bar.disable or not self.total:
             return
@@ -79,7 +85,7 @@ class Progress:
         else:
             due = self.done * 10 >= self.next_tenth * self.total
             self.next_tenth = max(self.next_tenth, self.done * 10 // self.total + 1)
-        if due and self.done > self.resumed:
+        if due:
             self.said = now
             self._line(now - self.start)
 

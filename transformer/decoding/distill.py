@@ -82,22 +82,23 @@ def _translate_parts(models, sp, lines: list[str], cfg: DistillConfig, parts: Pa
     parts.mkdir(parents=True, exist_ok=True)
     for leftover in parts.glob(".*.tmp"):  # a part a stopped run was writing
         leftover.unlink()
-    progress = Progress("distilling", len(lines), "sentences", log)
     size = cfg.part_pairs
-    if written := len(list(parts.glob("[0-9]*.parquet"))):
-        log.info("distilling: %d/%d parts written by a stopped run, read back", written,
-                 -(-len(lines) // size))  # fmt: skip
+    chunks = {parts / f"{i // size:05d}.parquet": lines[i : i + size]
+              for i in range(0, len(lines), size)}  # fmt: skip
+    found = {path for path in chunks if path.is_file()}
+    if found:
+        log.info("distilling: %d/%d parts written by a stopped run, read back", len(found),
+                 len(chunks))  # fmt: skip
+    done = sum(len(chunks[path]) for path in found)
+    progress = Progress("distilling", len(lines), "sentences", log, done=done)
     made: list[str] = []
-    for start in range(0, len(lines), size):
-        chunk = lines[start : start + size]
-        path = parts / f"{start // size:05d}.parquet"
-        resumed = path.is_file()
-        if not resumed:
+    for path, chunk in chunks.items():
+        if path not in found:
             hyps = translate_lines(models, sp, chunk, cfg.decode, device)
             table = pa.table({"hyp": pa.array(hyps, pa.string())})
             atomic_write(path, lambda f, table=table: pq.write_table(table, f))
+            progress.update(len(chunk))
         made += _read_part(path, len(chunk))
-        progress.update(len(chunk), resumed)
     progress.close()
     return made
 
