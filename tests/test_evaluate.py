@@ -1,5 +1,6 @@
 """Scores agree with the sacreBLEU command line; compounds split as get_ende_bleu.sh does."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -146,6 +147,29 @@ def test_command_line_prints_json(files, capsys):
     hyp, ref = files
     assert main([str(hyp), str(ref)]) == 0
     assert json.loads(capsys.readouterr().out)["bleu"] == pytest.approx(score(HYPS, REFS)["bleu"])
+
+
+def test_command_line_scores_on_the_papers_scales(tmp_path, capsys):
+    """A hypothesis file from anywhere (an ad hoc ensemble's) on the scales the decode stage
+    reports: the paper's compound-split BLEU, and a corpus's tokenized references."""
+    hyp, ref = tmp_path / "hyp.de", tmp_path / "ref.de"
+    hyp.write_text("\n".join(MOSES_HYPS) + "\n", encoding="utf-8")
+    ref.write_text("\n".join(MOSES_REFS) + "\n", encoding="utf-8")
+    tok = tmp_path / "test_2016_flickr.lc.norm.tok.de.gz"
+    tok.write_bytes(gzip.compress(("\n".join(MOSES_REFS).lower() + "\n").encode()))
+    args = [str(hyp), str(ref), "--compound-split", "--tokenized-refs", str(tok)]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["bleu_tok_compound"] == pytest.approx(MOSES_BLEU, abs=1e-6)
+    lowered = [line.lower() for line in MOSES_REFS]
+    assert got["bleu_tok_lc"] == pytest.approx(tokenized_lc_bleu(MOSES_HYPS, lowered, "de"))
+    nameless = tmp_path / "refs.gz"
+    nameless.write_bytes(tok.read_bytes())
+    assert main([str(hyp), str(ref), "--tokenized-refs", str(nameless)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {nameless}: name the language as the file's last suffix, as the corpus does "
+        "(test_2016_flickr.lc.norm.tok.de)\n"
+    )
 
 
 def test_attention_maps_are_the_models_own_weights(tmp_path):

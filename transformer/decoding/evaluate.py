@@ -13,7 +13,9 @@
   punctuation-normalised and tokenized with sacremoses (Moses' scripts, maintained in
   Python), unsmoothed BLEU against those references. Not sacreBLEU: never compare the two.
 
-`python -m transformer.evaluate HYP REF [--lowercase]` prints sacreBLEU scores as JSON.
+`python -m transformer.evaluate HYP REF [--lowercase]` prints sacreBLEU scores as JSON;
+`--compound-split` adds `bleu_tok_compound`, `--tokenized-refs FILE` adds `bleu_tok_lc`
+against FILE (its language the name's last suffix: test_2016_flickr.lc.norm.tok.de.gz).
 """
 
 from __future__ import annotations
@@ -215,16 +217,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("hyp", help="detokenized translations, one per line")
     parser.add_argument("ref", help="raw references, one per line")
     parser.add_argument("--lowercase", action="store_true", help="case-insensitive scores")
+    parser.add_argument("--compound-split", action="store_true",
+                        help="add bleu_tok_compound: the paper's WMT14 EN-DE BLEU")  # fmt: skip
+    parser.add_argument("--tokenized-refs", metavar="FILE",
+                        help="add bleu_tok_lc against this corpus's lowercased, tokenized "
+                             "references (Multi30k's tok/*.lc.norm.tok.de.gz)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        hyps, refs = read_lines(args.hyp), read_lines(args.ref)
+        hyps = read_lines(args.hyp)
         if not hyps:
             raise ValueError(f"{args.hyp}: no lines to score")
-        if len(hyps) != len(refs):
-            raise ValueError(f"{args.hyp} has {len(hyps)} lines but {args.ref} has {len(refs)}")
+        refs = _same_length(hyps, args.hyp, args.ref)
         scores = score(hyps, refs, args.lowercase)
+        if args.compound_split:
+            scores["bleu_tok_compound"] = compound_split_bleu(hyps, refs)
+        if args.tokenized_refs:
+            tok_refs = _same_length(hyps, args.hyp, args.tokenized_refs)
+            scores["bleu_tok_lc"] = tokenized_lc_bleu(hyps, tok_refs, _lang(args.tokenized_refs))
     except (OSError, UnicodeDecodeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(scores, indent=2))
     return 0
+
+
+def _same_length(hyps: list[str], hyp: str, path: str) -> list[str]:
+    lines = read_lines(path)
+    if len(hyps) != len(lines):
+        raise ValueError(f"{hyp} has {len(hyps)} lines but {path} has {len(lines)}")
+    return lines
+
+
+def _lang(path: str) -> str:
+    """The language of a tokenized reference file: its name's last suffix, past any .gz."""
+    lang = Path(Path(path).name.removesuffix(".gz")).suffix[1:]
+    if not (lang.isascii() and lang.isalpha() and 2 <= len(lang) <= 3):
+        raise ValueError(f"{path}: name the language as the file's last suffix, as the "
+                         "corpus does (test_2016_flickr.lc.norm.tok.de)")  # fmt: skip
+    return lang
