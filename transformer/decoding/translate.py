@@ -104,16 +104,18 @@ def translate_lines(
     decode_cfg: DecodeConfig,
     device: str | torch.device,
     progress: str | None = None,
+    arena: Arena | None = None,
 ) -> list[str]:
     """Translate raw sentences with a model or an ensemble (a list of models); the output
     is in the input's order, empty lines stay empty. `progress`: what to call the job in
     progress lines (console.Progress, every PROGRESS_EVERY_S seconds); None: silent.
+    `arena`: the caches' memory, for a caller that calls again (translate_batches).
 
     beam_size 1 is greedy search (no length penalty: one hypothesis has nothing to compare).
     """
     out, todo = [""] * len(lines), sum(1 for line in lines if line.strip())
     meter = Progress(progress or "", todo if progress else 0, "sentences", log, PROGRESS_EVERY_S)
-    for rows, hyps in translate_batches(model, sp, lines, decode_cfg, device):
+    for rows, hyps in translate_batches(model, sp, lines, decode_cfg, device, arena=arena):
         for i, found in zip(rows, hyps, strict=True):
             out[i] = sp.decode(found[0].tokens) if found else ""
         meter.update(len(rows))
