@@ -97,7 +97,7 @@ def test_the_training_targets_are_the_ensembles_beam_translations(cleaned, teach
 def test_every_part_decodes_into_one_cache_memory(cleaned, teachers, tmp_path, monkeypatch):
     """An Arena a part, freed after it, grew the stage's process by about a GB a part of
     2,000 sentences (three teachers on a CPU: glibc keeps the freed heap); the flow that
-    distilled Multi30k's 15 parts peaked at 18.9 GB. The stage keeps one for all parts."""
+    distilled 13 of Multi30k's 15 parts peaked at 18.9 GB. The stage keeps one for all."""
     made = []
 
     class Counted(Arena):

@@ -163,13 +163,14 @@ def test_command_line_scores_on_the_papers_scales(tmp_path, capsys):
     assert got["bleu_tok_compound"] == pytest.approx(MOSES_BLEU, abs=1e-6)
     lowered = [line.lower() for line in MOSES_REFS]
     assert got["bleu_tok_lc"] == pytest.approx(tokenized_lc_bleu(MOSES_HYPS, lowered, "de"))
-    nameless = tmp_path / "refs.gz"
-    nameless.write_bytes(tok.read_bytes())
-    assert main([str(hyp), str(ref), "--tokenized-refs", str(nameless)]) == 2
-    assert capsys.readouterr().err == (
-        f"error: {nameless}: name the language as the file's last suffix, as the corpus does "
-        "(test_2016_flickr.lc.norm.tok.de)\n"
-    )
+    for name in ("refs.gz", "refs.tok.gz", "refs.txt"):  # no language Moses knows
+        nameless = tmp_path / name
+        nameless.write_bytes(tok.read_bytes())
+        assert main([str(hyp), str(ref), "--tokenized-refs", str(nameless)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {nameless}: name the language as the file's last suffix, as the corpus "
+            "does (test_2016_flickr.lc.norm.tok.de)\n"
+        )
 
 
 def test_attention_maps_are_the_models_own_weights(tmp_path):

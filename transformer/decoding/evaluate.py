@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m transformer.evaluate", description=__doc__)
     parser.add_argument("hyp", help="detokenized translations, one per line")
     parser.add_argument("ref", help="raw references, one per line")
-    parser.add_argument("--lowercase", action="store_true", help="case-insensitive scores")
+    parser.add_argument("--lowercase", action="store_true",
+                        help="case-insensitive bleu and chrf (the tokenized scales keep "
+                             "their own rules)")  # fmt: skip
     parser.add_argument("--compound-split", action="store_true",
                         help="add bleu_tok_compound: the paper's WMT14 EN-DE BLEU")  # fmt: skip
     parser.add_argument("--tokenized-refs", metavar="FILE",
@@ -224,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                              "references (Multi30k's tok/*.lc.norm.tok.de.gz)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
+        lang = _lang(args.tokenized_refs) if args.tokenized_refs else ""
         hyps = read_lines(args.hyp)
         if not hyps:
             raise ValueError(f"{args.hyp}: no lines to score")
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             scores["bleu_tok_compound"] = compound_split_bleu(hyps, refs)
         if args.tokenized_refs:
             tok_refs = _same_length(hyps, args.hyp, args.tokenized_refs)
-            scores["bleu_tok_lc"] = tokenized_lc_bleu(hyps, tok_refs, _lang(args.tokenized_refs))
+            scores["bleu_tok_lc"] = tokenized_lc_bleu(hyps, tok_refs, lang)
     except (OSError, UnicodeDecodeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -249,9 +252,12 @@ def _same_length(hyps: list[str], hyp: str, path: str) -> list[str]:
 
 
 def _lang(path: str) -> str:
-    """The language of a tokenized reference file: its name's last suffix, past any .gz."""
+    """The language of a tokenized reference file: its name's last suffix, past any .gz,
+    one Moses knows (its tokenizer takes any name, and a wrong one scores quietly)."""
+    from sacremoses.corpus import NonbreakingPrefixes
+
     lang = Path(Path(path).name.removesuffix(".gz")).suffix[1:]
-    if not (lang.isascii() and lang.isalpha() and 2 <= len(lang) <= 3):
+    if len(lang) != 2 or lang not in NonbreakingPrefixes().available_langs:
         raise ValueError(f"{path}: name the language as the file's last suffix, as the "
                          "corpus does (test_2016_flickr.lc.norm.tok.de)")  # fmt: skip
     return lang
