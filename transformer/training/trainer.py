@@ -33,6 +33,7 @@ from transformer.data.shard import verify_shards
 from transformer.data.vocab import load_spm
 from transformer.model_file import load_typed
 from transformer.nn import kernels
+from transformer.nn.kv_cache import Arena
 from transformer.nn.loss import label_smoothed_loss
 from transformer.nn.model import Transformer
 from transformer.tokens import PAD
@@ -99,6 +100,9 @@ class Trainer:
         barrier()
         train = ShardDataset(shards, "train")
         self.valid, self.fingerprint = ShardDataset(shards, "valid"), train.fingerprint
+        # The validation searches' cache memory, one for the run: an arena a validation,
+        # freed after it, left glibc's heap larger at every validation on a CPU.
+        self.arena = Arena()
         _check_positions(params.model, shards, {"train": train, "valid": self.valid})
         self.sp = load_spm(train.spm_model)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -360,7 +364,7 @@ class Trainer:
         improved, score = False, None
         if step % cfg.valid_every == 0 or last:
             metrics = validate(self.model, self.valid, self.sp, self.params, self.env,
-                               self.autocast())  # fmt: skip
+                               self.autocast(), self.arena)  # fmt: skip
             improved = self.stopping.update(metrics, step)
             score = metrics[self.stopping.key]
             logger.log({**metrics, "valid/best": self.stopping.best}, step)

@@ -21,6 +21,7 @@ from transformer.console import PROGRESS_EVERY_S, Progress
 from transformer.data.dataset import ShardDataset
 from transformer.data.loader import BatchLoader
 from transformer.data.sampler import TokenBatchSampler
+from transformer.nn.kv_cache import Arena
 from transformer.nn.loss import label_smoothed_loss
 from transformer.nn.model import Transformer
 from transformer.tokens import EOS, PAD
@@ -41,6 +42,7 @@ def validate(
     params: Params,
     env: DistEnv,
     autocast: AbstractContextManager,
+    arena: Arena | None = None,
 ) -> dict[str, float]:
     model.eval()
     try:
@@ -65,7 +67,7 @@ def validate(
         loss = nll_sum / n_tokens
         metrics = {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 100.0))}
         if params.train.valid_bleu:
-            metrics["valid/bleu"] = valid_bleu(model, valid, sp, params, env)
+            metrics["valid/bleu"] = valid_bleu(model, valid, sp, params, env, arena)
         return metrics
     finally:
         model.train()
@@ -90,17 +92,18 @@ def progress(what: str, batches: BatchLoader, env: DistEnv) -> Progress:
     return Progress(what, total, "sentences", log, PROGRESS_EVERY_S)
 
 
-def valid_bleu(model: Transformer, valid: ShardDataset, sp, params: Params, env: DistEnv) -> float:
+def valid_bleu(
+    model: Transformer, valid: ShardDataset, sp, params: Params, env: DistEnv, arena: Arena | None
+) -> float:
     """Decode this rank's share (greedy, or beam train.valid_beam), gather, score on rank 0
     and send the score to every rank: each rank's early stopping and checkpoint choice read
     it, and must decide alike (a rank that stops alone leaves the others in a collective)."""
     from transformer.decoding.search import beam_search, greedy_search
     from transformer.decoding.translate import positions
-    from transformer.nn.kv_cache import Arena
 
     d, beam = params.decode, params.train.valid_beam
     max_len = positions([model]) - 1  # as translate: BOS, then at most this many tokens
-    pairs, arena = [], Arena()  # one batch's cache memory, the next batch's
+    pairs, arena = [], Arena() if arena is None else arena  # the caches' memory, reused
     batches = valid_batches(valid, params, env)
     meter = progress("validation decoding", batches, env)
     for batch in batches:
