@@ -247,6 +247,22 @@ def assert_same_training(a: dict, b: dict) -> None:
     assert a["data"] == b["data"]
 
 
+def count_arenas(monkeypatch, *modules) -> list:
+    """The cache Arenas that code looking the name up in `modules` makes from here on."""
+    from transformer.nn.kv_cache import Arena
+
+    made = []
+
+    class Counted(Arena):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    for module in modules:
+        monkeypatch.setattr(module, "Arena", Counted)
+    return made
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (for a server a test starts)."""
     import socket

@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import wait_for
+from conftest import count_arenas, wait_for
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -36,7 +36,6 @@ from transformer.decoding import distill as distill_module
 from transformer.decoding import translate as translate_module
 from transformer.decoding.distill import distill_corpus
 from transformer.decoding.translate import load_ensemble, translate_lines
-from transformer.nn.kv_cache import Arena
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(1800)]
@@ -98,15 +97,7 @@ def test_every_part_decodes_into_one_cache_memory(cleaned, teachers, tmp_path, m
     """An Arena a part, freed after it, grew the stage's process by about a GB a part of
     2,000 sentences (three teachers on a CPU: glibc keeps the freed heap); the flow that
     distilled 13 of Multi30k's 15 parts peaked at 18.9 GB. The stage keeps one for all."""
-    made = []
-
-    class Counted(Arena):
-        def __init__(self):
-            super().__init__()
-            made.append(self)
-
-    monkeypatch.setattr(distill_module, "Arena", Counted)
-    monkeypatch.setattr(translate_module, "Arena", Counted)
+    made = count_arenas(monkeypatch, distill_module, translate_module)
     models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
     sources = pq.read_table(cleaned / "train.parquet")["src"].to_pylist()
     hyps = distill_module._translate_parts(models, sp, sources, distill_cfg(), tmp_path, "cpu")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_training
+from conftest import assert_same_training, count_arenas
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -26,7 +26,6 @@ from transformer.config import load_params, to_dict
 from transformer.model_file import atomic_save, load_typed
 from transformer.nn import kernels
 from transformer.nn import loss as loss_module
-from transformer.nn.kv_cache import Arena
 from transformer.train import main
 from transformer.training import checkpoint as ckpt
 from transformer.training import validate as validate_module
@@ -505,15 +504,7 @@ def test_every_validation_decodes_into_the_runs_one_cache_memory(
 ):
     """An arena a validation, freed after it, left the process ~150 MB larger at each
     validation of a Multi30k model on a CPU (glibc keeps the freed heap): the run keeps one."""
-    made = []
-
-    class Counted(Arena):
-        def __init__(self):
-            super().__init__()
-            made.append(self)
-
-    monkeypatch.setattr(train_module, "Arena", Counted)
-    monkeypatch.setattr(validate_module, "Arena", Counted)
+    made = count_arenas(monkeypatch, train_module, validate_module)
     overrides = ["train.valid_bleu=true", "train.valid_every=1", "train.max_steps=3"]
     assert train(tiny_params, tiny_shards, tmp_path / "run", *overrides) == 0
     assert len(made) == 1
