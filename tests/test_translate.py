@@ -2,6 +2,7 @@
 model file, through translate_lines and the command line."""
 
 import dataclasses
+import gzip
 import io
 import os
 import random
@@ -134,6 +135,32 @@ def test_command_line_file_to_file(model_file, tmp_path):
     model, sp, params = load_translator(model_file, "cpu")
     expected = translate_lines(model, sp, LINES, params.decode, "cpu")
     assert hyp.read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
+
+
+def test_a_gzip_input_translates_as_its_text_and_a_corrupt_one_is_one_line(
+    model_file, tmp_path, capsys
+):
+    """Corpora ship gzipped (Multi30k's test sets): --input FILE.gz is read through gzip,
+    a file that is not gzip, or is cut short, is one line."""
+    plain, packed = tmp_path / "src.txt", tmp_path / "src.txt.gz"
+    text = "".join(line + "\n" for line in LINES * 3)
+    plain.write_text(text, encoding="utf-8")
+    packed.write_bytes(gzip.compress(text.encode("utf-8")))
+    outputs = []
+    for source in (plain, packed):
+        hyp = tmp_path / f"{source.name}.hyp"
+        assert main(["--model", str(model_file), "--input", str(source), "--output", str(hyp),
+                     "--device", "cpu"]) == 0  # fmt: skip
+        outputs.append(hyp.read_bytes())
+    assert outputs[0] == outputs[1] and outputs[0].count(b"\n") == len(LINES) * 3
+
+    model = ["--model", str(model_file), "--device", "cpu"]
+    (tmp_path / "plain.gz").write_bytes(text.encode("utf-8"))
+    err = one_line_error(capsys, [*model, "--input", str(tmp_path / "plain.gz")])
+    assert "plain.gz" in err and "gzip" in err
+    (tmp_path / "cut.gz").write_bytes(packed.read_bytes()[:-12])
+    err = one_line_error(capsys, [*model, "--input", str(tmp_path / "cut.gz")])
+    assert "cut.gz: truncated or corrupt gzip file" in err
 
 
 def test_two_writers_of_one_output_leave_one_whole_file_and_a_device_stays_one(

@@ -8,20 +8,22 @@ sorted by length and batched by source tokens (and sentences, with --batch-size)
 keeps the input's order, one line per input line (--nbest K: K lines, `i ||| hypothesis |||
 score`); an empty input line gives an empty output line. Lines are translated as they come:
 a pipe that delivers one line at a time gets each translation back as soon as it is ready,
-bulk input is read in large chunks. Every user error (a file or option that is wrong) is one
-line on stderr and exit code 2.
+bulk input is read in large chunks; an --input ending in .gz is read through gzip. Every
+user error (a file or option that is wrong) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import logging
 import os
 import re
 import select
 import sys
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -330,8 +332,9 @@ def _open(args: argparse.Namespace, files: contextlib.ExitStack) -> tuple[Binary
 
 
 def _opened(files: contextlib.ExitStack, path: str, option: str) -> BinaryIO:
+    opener = gzip.open if path.endswith(".gz") else open
     try:
-        return files.enter_context(open(path, "rb"))
+        return files.enter_context(opener(path, "rb"))
     except OSError as err:
         raise _UsageError(f"{option} {path}: {err.strerror}") from None
 
@@ -348,11 +351,12 @@ def _chunks(stream: BinaryIO, name: str) -> Iterator[list[str]]:
     """The input's lines, as many at a time as can be read without waiting for more (up to
     CHUNK_BYTES): a line typed or piped alone comes alone, a file comes in large chunks.
     Lines end at "\\n" only: other Unicode line breaks belong to the sentence."""
-    fd, tail, eof, number = stream.fileno(), b"", False, 0
+    read, ready = _reader(stream)
+    tail, eof, number = b"", False, 0
     while not eof:
-        data = [os.read(fd, 1 << 16)]  # waits for the first bytes
-        while data[-1] and sum(map(len, data)) < CHUNK_BYTES and _readable(fd):
-            data.append(os.read(fd, 1 << 16))
+        data = [_read(read, name)]  # waits for the first bytes
+        while data[-1] and sum(map(len, data)) < CHUNK_BYTES and ready():
+            data.append(_read(read, name))
         eof = not data[-1]
         *lines, tail = (tail + b"".join(data)).split(b"\n")
         if eof and tail:  # a last line without its "\n"
@@ -364,6 +368,22 @@ def _chunks(stream: BinaryIO, name: str) -> Iterator[list[str]]:
         if lines:
             yield [_text(line, name, number + i) for i, line in enumerate(lines)]
             number += len(lines)
+
+
+def _reader(stream: BinaryIO) -> tuple[Callable[[], bytes], Callable[[], bool]]:
+    """(read the next block, whether more can be read at once). A pipe's or a terminal's
+    descriptor is read as bytes arrive; a gzip file's decompressed text is always ready."""
+    if isinstance(stream, gzip.GzipFile):
+        return lambda: stream.read(1 << 16), lambda: True
+    fd = stream.fileno()
+    return lambda: os.read(fd, 1 << 16), lambda: _readable(fd)
+
+
+def _read(read: Callable[[], bytes], name: str) -> bytes:
+    try:
+        return read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        raise ValueError(f"{name}: truncated or corrupt gzip file ({err})") from None
 
 
 def _readable(fd: int) -> bool:
