@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import mlflow
+import torch
 
 from tasks.settings import RunParams, load_run_params
 from tasks.tracking import client_for, store_errors
@@ -28,6 +29,18 @@ FETCHED = "registry"  # the work dir's folder of fetched teachers: registry/NAME
 
 def distilling(params: RunParams) -> bool:
     return params.distill is not None
+
+
+def distill_devices(params: RunParams) -> list[str]:
+    """Where the distill stage translates, a process each: this machine's GPUs, as many as
+    the local launcher's pipeline.nproc_per_node if it names fewer; on a machine without,
+    that many CPU processes (1 by default), which share its cores. (A Slurm launcher's
+    nproc_per_node counts a cluster node's processes, not this machine's.)"""
+    pipeline, gpus = params.pipeline, torch.cuda.device_count()
+    asked = pipeline.nproc_per_node if pipeline.launcher == "local" else None
+    if gpus:
+        return [f"cuda:{i}" for i in range(min(asked or gpus, gpus))]
+    return ["cpu"] * (asked or 1)
 
 
 def teacher_runs(params: RunParams, params_file: Path) -> dict[str, tuple[str, list[str]]]:

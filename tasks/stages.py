@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tasks.distill import (
+    distill_devices,
     distill_notes,
     distilling,
     gather_teachers,
@@ -129,7 +130,7 @@ STAGES: tuple[Stage, ...] = (
           lambda r: distill_corpus(r.inputs["clean"],
                                    teacher_models(r.reports["teachers"], r.out.parents[1]),
                                    r.params.distill, r.params.data, r.params.score, r.out,
-                                   r.device),
+                                   distill_devices(r.params)),
           artifacts=(hypotheses("valid"), hypotheses("test")),
           external=lambda p: reference_fingerprints(p.score, p.data), asked=distilling,
           shown=Shown(scores=lambda rep: {"ensemble": rep["scores"]}, notes=distill_notes)),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -73,7 +74,7 @@ def distill_cfg(**keys) -> DistillConfig:
 
 def test_the_training_targets_are_the_ensembles_beam_translations(cleaned, teachers, tmp_path):
     cfg = distill_cfg()
-    report = distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, "cpu")
+    report = distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, ["cpu"])
     models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
     sources = pq.read_table(cleaned / "train.parquet")["src"].to_pylist()
     made = translate_lines(models, sp, sources, cfg.decode, "cpu")
@@ -100,7 +101,9 @@ def test_every_part_decodes_into_one_cache_memory(cleaned, teachers, tmp_path, m
     made = count_arenas(monkeypatch, distill_module, translate_module)
     models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
     sources = pq.read_table(cleaned / "train.parquet")["src"].to_pylist()
-    hyps = distill_module._translate_parts(models, sp, sources, distill_cfg(), tmp_path, "cpu")
+    hyps = distill_module._translate_parts(
+        models, sp, sources, distill_cfg(), tmp_path, ["cpu"], []
+    )
     assert len(list(tmp_path.glob("*.parquet"))) == 3 and len(hyps) == len(sources)
     assert len(made) == 1
 
@@ -109,21 +112,71 @@ def test_a_stopped_distillation_resumes_at_its_first_missing_part(
     cleaned, teachers, tmp_path, caplog
 ):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), whole, "cpu")
+    distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), whole, ["cpu"])
     (resumed / "parts").mkdir(parents=True)
     shutil.copy(whole / "parts" / "00000.parquet", resumed / "parts")
     (resumed / "parts" / ".00001.parquet.0123.tmp").write_bytes(b"half a part")
     # A part found is read back, not translated again: a wrong one shows in the corpus.
     caplog.set_level(logging.INFO, logger="transformer")
-    distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), resumed, "cpu")
+    distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), resumed, ["cpu"])
     assert "distilling: 1/3 parts written by a stopped run, read back" in caplog.messages
     assert (resumed / "train.parquet").read_bytes() == (whole / "train.parquet").read_bytes()
     assert not list((resumed / "parts").glob(".*"))
 
 
+def test_the_missing_parts_are_dealt_out_to_a_process_a_device(
+    cleaned, teachers, tmp_path, monkeypatch
+):
+    """Three devices, three parts: this process translates the first, a helper process
+    each of the others, and the corpus is the one a single process writes."""
+    alone, dealt = tmp_path / "alone", tmp_path / "dealt"
+    distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), alone, ["cpu"])
+    here, translate = [], distill_module.translate_lines
+    monkeypatch.setattr(distill_module, "translate_lines",
+                        lambda m, sp, lines, *a, **kw: here.append(lines) or translate(
+                            m, sp, lines, *a, **kw))  # fmt: skip
+    devices = ["cpu"] * 3
+    distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), dealt, devices)
+    sources = pq.read_table(cleaned / "train.parquet")["src"].to_pylist()
+    assert here == [sources[:3]]  # the stage's own share; valid and test: evaluate's
+    assert (dealt / "train.parquet").read_bytes() == (alone / "train.parquet").read_bytes()
+    assert not multiprocessing.active_children()
+
+
+def test_a_helper_that_fails_is_one_line_naming_its_device(cleaned, teachers, tmp_path):
+    """A device that is not there (a CUDA device on this CPU build): the helper's error
+    comes back in one line; the stage's own parts (the first and the third) are kept for
+    the rerun, no corpus is."""
+    with pytest.raises(distill_module.DistillError) as failed:
+        distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), tmp_path,
+                       ["cpu", "cuda:7"])  # fmt: skip
+    message = str(failed.value)
+    assert message.startswith("the process translating on cuda:7: ") and "\n" not in message
+    parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
+    assert parts == ["00000.parquet", "00002.parquet"]
+    assert not (tmp_path / "train.parquet").exists()
+    assert not multiprocessing.active_children()
+
+
+def test_a_stop_in_the_stage_ends_its_helpers(cleaned, teachers, tmp_path, monkeypatch):
+    """Ctrl-C (or the flow's stop) in the stage's process while helpers translate: none
+    outlives the stage, and what they wrote is whole parts only."""
+
+    def stop(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_module._Written, "count", stop)
+    with pytest.raises(KeyboardInterrupt):
+        distill_corpus(cleaned, teachers, distill_cfg(part_pairs=1), DATA, ScoreConfig(),
+                       tmp_path, ["cpu"] * 2)  # fmt: skip
+    assert not multiprocessing.active_children()
+    for part in (tmp_path / "parts").glob("*.parquet"):
+        assert pq.read_table(part).num_rows == 1
+
+
 def test_the_originals_can_stay_beside_the_distilled_pairs(cleaned, teachers, tmp_path):
     cfg = distill_cfg(keep_originals=True)
-    report = distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, "cpu")
+    report = distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, ["cpu"])
     got = pq.read_table(tmp_path / "train.parquet")
     original = pq.read_table(cleaned / "train.parquet")
     assert got.slice(0, original.num_rows).to_pylist() == original.to_pylist()
@@ -134,7 +187,7 @@ def test_the_originals_can_stay_beside_the_distilled_pairs(cleaned, teachers, tm
 def test_the_source_side_needs_teachers_of_the_reverse_direction(cleaned, teachers, tmp_path):
     cfg = distill_cfg(replace="source")
     with pytest.raises(DataError, match=r"t1\.pt: translates en->de; .*teachers of de->en"):
-        distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, "cpu")
+        distill_corpus(cleaned, teachers, cfg, DATA, ScoreConfig(), tmp_path, ["cpu"])
     assert not (tmp_path / "train.parquet").exists()
 
 
@@ -355,15 +408,16 @@ def test_teachers_from_the_registry_make_the_corpus_their_runs_made(flows):
 def test_a_kill_inside_distill_and_its_rerun_make_the_same_corpus(flows, params, tmp_path):
     """SIGKILL to the flow's process group while the distill stage writes its parts; the
     rerun resumes and writes the corpus byte for byte as the unbroken run did. (The third
-    student's: its teachers are files, so no teacher's subflow runs before the stage.)"""
+    student's: its teachers are files, so no teacher's subflow runs before the stage.) Both
+    translate on two CPU processes (the kill takes the helper too), the unbroken run on one."""
     work, _ = flows
     copy = tmp_path / "work"
     shutil.copytree(work, copy)
     unbroken = _distilled(work, registry=True)
     out = copy / "distill" / unbroken.name
     shutil.rmtree(out)
-    cmd = [sys.executable, "-m", "flows.wmt14_ende", str(params["student3"]), "--work-dir",
-           str(copy)]  # fmt: skip
+    cmd = [sys.executable, "-m", "flows.wmt14_ende", str(params["student3"]),
+           "pipeline.nproc_per_node=2", "--work-dir", str(copy)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

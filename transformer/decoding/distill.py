@@ -9,18 +9,26 @@ the real references.
 The training split is translated in parts of `distill.part_pairs` pairs, each written whole under
 `parts/`: a stopped stage resumes at the first part it lacks, and since a part's batches
 depend on its own lines only, the corpus a resumed run writes is, byte for byte, the one an
-unbroken run writes.
+unbroken run writes. The parts a run lacks are dealt out to its devices, a process each
+(the stage's own on the first): at WMT scale, millions of beam searches by an ensemble, one
+GPU of eight would take the whole stage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
+import signal
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import torch
 
 from transformer.config import DataConfig, DistillConfig, ScoreConfig
 from transformer.console import Progress
@@ -43,17 +51,21 @@ def distill_corpus(
     data: DataConfig,
     score_cfg: ScoreConfig,
     out: Path,
-    device: str,
+    devices: list[str],
 ) -> dict:
     """Write the distilled corpus into `out` (train, valid and test parquet files, the
     ensemble's hypotheses and scores on valid and test); return the report: the pairs
-    written and where they came from, and the ensemble's scores by split."""
-    cleaned, out = Path(cleaned), Path(out)
-    models, sp, teacher_params = load_ensemble([str(t) for t in teachers], device)
+    written and where they came from, and the ensemble's scores by split. `devices`: where
+    the training split is translated, a process each (GPUs, or CPU processes that share
+    this one's threads); the first also decodes valid and test."""
+    cleaned, out, device = Path(cleaned), Path(out), devices[0]
+    paths = [str(t) for t in teachers]
+    models, sp, teacher_params = load_ensemble(paths, device)
     _check_direction(teachers[0], teacher_params.data, data, cfg.replace)
     train = pq.read_table(cleaned / "train.parquet")
     side = "src" if cfg.replace == "target" else "tgt"  # what the teachers translate
-    made = _translate_parts(models, sp, train[side].to_pylist(), cfg, out / PARTS, device)
+    lines = train[side].to_pylist()
+    made = _translate_parts(models, sp, lines, cfg, out / PARTS, devices, paths)
     report = {"teachers": [str(t) for t in teachers], "replace": cfg.replace}
     report |= _write_train(train, made, cfg, out / "train.parquet")
     for role in ROLES[1:]:  # valid, test: the cleaned splits, scored against their references
@@ -77,34 +89,137 @@ def _check_direction(teacher: Path, theirs: DataConfig, ours: DataConfig, replac
         )
 
 
-def _translate_parts(models, sp, lines: list[str], cfg: DistillConfig, parts: Path, device) -> list:
+def _translate_parts(
+    models, sp, lines: list[str], cfg: DistillConfig, parts: Path, devices: list[str],
+    teachers: list[str],
+) -> list[str]:  # fmt: skip
     """The teachers' translation of every line, part by part; parts already written (by a
-    run that was stopped) are read back, not translated again."""
+    run that was stopped) are read back, not translated again. The missing parts are dealt
+    out in turn to the devices: this process translates the first's share with `models`,
+    a helper process each of the others' with its own copy of the `teachers`."""
     parts.mkdir(parents=True, exist_ok=True)
     for leftover in parts.glob(".*.tmp"):  # a part a stopped run was writing
         leftover.unlink()
     size = cfg.part_pairs
     chunks = {parts / f"{i // size:05d}.parquet": lines[i : i + size]
               for i in range(0, len(lines), size)}  # fmt: skip
-    found = {path for path in chunks if path.is_file()}
-    if found:
-        log.info("distilling: %d/%d parts written by a stopped run, read back", len(found),
-                 len(chunks))  # fmt: skip
-    done = sum(len(chunks[path]) for path in found)
+    todo = [path for path in chunks if not path.is_file()]
+    if len(todo) < len(chunks):
+        log.info("distilling: %d/%d parts written by a stopped run, read back",
+                 len(chunks) - len(todo), len(chunks))  # fmt: skip
+    shares = [todo[k :: len(devices)] for k in range(len(devices))]
+    done = sum(len(chunk) for path, chunk in chunks.items() if path not in todo)
     progress = Progress("distilling", len(lines), "sentences", log, done=done)
-    made: list[str] = []
-    # One cache memory for every part: an arena a part, freed after it, left glibc's heap
-    # a GB larger a part of 2,000 sentences (three teachers on a CPU), never given back.
-    arena = Arena()
-    for path, chunk in chunks.items():
-        if path not in found:
-            hyps = translate_lines(models, sp, chunk, cfg.decode, device, arena=arena)
-            table = pa.table({"hyp": pa.array(hyps, pa.string())})
-            atomic_write(path, lambda f, table=table: pq.write_table(table, f))
-            progress.update(len(chunk))
-        made += _read_part(path, len(chunk))
+    written = _Written(todo, chunks, progress)
+    threads = max(1, torch.get_num_threads() // len(devices))
+    helpers = [(device, {path: chunks[path] for path in share})
+               for device, share in zip(devices[1:], shares[1:], strict=True) if share]  # fmt: skip
+    with _helped(helpers, teachers, cfg, threads) as wait, _threads(threads):
+        # One cache memory for every part: an arena a part, freed after it, left glibc's
+        # heap a GB larger a part of 2,000 sentences (three teachers on a CPU).
+        arena = Arena()
+        for path in shares[0]:
+            _write_part(path, translate_lines(models, sp, chunks[path], cfg.decode, devices[0],
+                                              arena=arena))  # fmt: skip
+            written.count()
+        wait(written.count)
     progress.close()
-    return made
+    return [hyp for path, chunk in chunks.items() for hyp in _read_part(path, len(chunk))]
+
+
+class _Written:
+    """The progress of every process's parts, from the parts on disk."""
+
+    def __init__(self, todo: list[Path], chunks: dict[Path, list[str]], progress: Progress):
+        self.todo, self.chunks, self.progress = set(todo), chunks, progress
+
+    def count(self) -> None:
+        new = {path for path in self.todo if path.is_file()}
+        self.todo -= new
+        self.progress.update(sum(len(self.chunks[path]) for path in new))
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """This process's CPU threads for the block: its share of them beside its helpers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+POLL_S = 1.0  # how often the stage, its own share done, looks at its helpers
+
+
+@contextlib.contextmanager
+def _helped(helpers: list[tuple[str, dict[Path, list[str]]]], teachers: list[str],
+            cfg: DistillConfig, threads: int):  # fmt: skip
+    """Start a process per (device, its parts); yield `wait(poll)`, which returns once
+    every helper is done, calling `poll` meanwhile, and raises a helper's failure in one
+    line. However the block ends, no helper outlives it: a stop, or a failure here, ends
+    them (a part a helper was writing is discarded whole, as any stopped write)."""
+    context = torch.multiprocessing.get_context("spawn")  # CUDA in the helpers; no fork
+    errors = context.SimpleQueue()
+    procs = [  # by device: several helpers may share the CPU
+        (device, context.Process(target=_helper, daemon=True, name=f"distill-{device}",
+                                 args=(teachers, device, parts, cfg, threads, errors)))
+        for device, parts in helpers
+    ]  # fmt: skip
+    for _, proc in procs:
+        proc.start()
+
+    def wait(poll) -> None:
+        while any(proc.is_alive() for _, proc in procs) and errors.empty():
+            next(proc for _, proc in procs if proc.is_alive()).join(POLL_S)
+            poll()
+        if not errors.empty():
+            raise DistillError(errors.get())
+        for device, proc in procs:
+            if proc.exitcode != 0:
+                raise DistillError(f"the process translating on {device} ended with exit "
+                                   f"code {proc.exitcode}")  # fmt: skip
+
+    try:
+        yield wait
+    finally:
+        for _, proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+        errors.close()
+
+
+class DistillError(RuntimeError):
+    """A helper process failed: its device and the first line of its error."""
+
+
+def _helper(teachers: list[str], device: str, parts: dict[Path, list[str]],
+            cfg: DistillConfig, threads: int, errors) -> None:  # fmt: skip
+    """A helper process: translate `parts` on `device` and write each whole. It leaves
+    Ctrl-C to the stage's process, which ends it, and ends by itself at its next part
+    once that process is gone (killed: no one would read what it writes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    try:
+        torch.set_num_threads(threads)
+        models, sp, _ = load_ensemble(teachers, device)
+        arena = Arena()
+        for path, lines in parts.items():
+            if os.getppid() != parent:
+                return
+            _write_part(path, translate_lines(models, sp, lines, cfg.decode, device,
+                                              arena=arena))  # fmt: skip
+    except Exception as err:  # the stage's process says it: one line, naming the device
+        errors.put(f"the process translating on {device}: {type(err).__name__}: "
+                   f"{(str(err).splitlines() or [''])[0]}")  # fmt: skip
+        sys.exit(1)
+
+
+def _write_part(path: Path, hyps: list[str]) -> None:
+    table = pa.table({"hyp": pa.array(hyps, pa.string())})
+    atomic_write(path, lambda f: pq.write_table(table, f))
 
 
 def _read_part(path: Path, rows: int) -> list[str]:
