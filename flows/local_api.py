@@ -10,7 +10,6 @@ word, and Linux stops it when the command that started it dies, however it dies.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
 from tasks.credentials import redact
 from transformer.cli import UserError
+from transformer.processes import die_with_parent
 
 START_TIMEOUT_S = 180  # a busy 2-core machine takes ~15 s
 
@@ -44,7 +44,7 @@ def local_api() -> Iterator[str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
            "--port", str(port), "--no-services", "--no-ui", "--analytics-off"]  # fmt: skip
-    server = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+    server = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     url = f"http://127.0.0.1:{port}/api"
     try:
@@ -111,8 +111,3 @@ def _wait_healthy(server: subprocess.Popen, url: str) -> None:
                 return
         time.sleep(0.2)
     raise LocalApiError(f"`prefect server start` on {url} not ready after {START_TIMEOUT_S} s")
-
-
-def _die_with_parent() -> None:
-    if sys.platform == "linux":  # PR_SET_PDEATHSIG: SIGTERM when the flow's process dies
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,11 +30,13 @@ from test_translate import write_model_file
 from flows.pipeline import wmt14_ende
 from tasks.distill import check_teachers, fetch_registered, gather_teachers, teacher_files
 from tasks.registry import register
+from tasks.runner import is_user_error
 from tasks.settings import load_run_params
 from tasks.stages import StageRun
 from transformer.config import DataConfig, DistillConfig, ParamsError, ScoreConfig, load_params
 from transformer.data import DataError
 from transformer.decoding import distill as distill_module
+from transformer.decoding import helpers as helpers_module
 from transformer.decoding import translate as translate_module
 from transformer.decoding.distill import distill_corpus
 from transformer.decoding.translate import load_ensemble, translate_lines
@@ -143,19 +146,88 @@ def test_the_missing_parts_are_dealt_out_to_a_process_a_device(
     assert not multiprocessing.active_children()
 
 
-def test_a_helper_that_fails_is_one_line_naming_its_device(cleaned, teachers, tmp_path):
-    """A device that is not there (a CUDA device on this CPU build): the helper's error
-    comes back in one line; the stage's own parts (the first and the third) are kept for
-    the rerun, no corpus is."""
-    with pytest.raises(distill_module.DistillError) as failed:
-        distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), tmp_path,
-                       ["cpu", "cuda:7"])  # fmt: skip
+def test_a_helper_that_fails_ends_the_stage_naming_its_device(cleaned, teachers, tmp_path):
+    """A user error in a helper (its part's path taken by a folder) is one line naming the
+    device and the path; a bug (a CUDA device on this CPU build) keeps its traceback. The
+    stage's own parts (the first and the third) are kept for the rerun, no corpus is."""
+    taken = tmp_path / "user" / "parts" / "00001.parquet"
+    taken.mkdir(parents=True)
+    with pytest.raises(helpers_module.HelperFailed) as failed:
+        distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(),
+                       tmp_path / "user", ["cpu", "cpu"])  # fmt: skip
     message = str(failed.value)
-    assert message.startswith("the process translating on cuda:7: ") and "\n" not in message
-    parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
+    assert message.startswith("the process translating on cpu: ") and "\n" not in message
+    assert "00001.parquet" in message and is_user_error(failed.value)
+    with pytest.raises(helpers_module.HelperCrashed) as crashed:
+        distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(),
+                       tmp_path / "bug", ["cpu", "cuda:7"])  # fmt: skip
+    assert str(crashed.value).startswith("the process translating on cuda:7: Traceback")
+    assert not is_user_error(crashed.value)
+    parts = sorted(p.name for p in (tmp_path / "bug" / "parts").iterdir())
     assert parts == ["00000.parquet", "00002.parquet"]
-    assert not (tmp_path / "train.parquet").exists()
+    assert not (tmp_path / "bug" / "train.parquet").exists()
     assert not multiprocessing.active_children()
+
+
+def _killed(path: Path, hyps: list[str]) -> None:  # a helper's write: the OOM killer's way
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_helper_killed_without_a_word_is_named_with_its_signal(teachers, tmp_path):
+    share = [("cpu", {tmp_path / "00000.parquet": ["a house"]})]
+    cfg = distill_cfg().decode
+    killed = r"ended: killed by signal 9 \(SIGKILL\)"
+    with (
+        helpers_module.helped(share, [str(t) for t in teachers], cfg, 1, _killed) as helpers,
+        pytest.raises(helpers_module.HelperCrashed, match=killed),
+    ):
+        helpers.wait(lambda: None)
+    assert not multiprocessing.active_children()
+
+
+SLOW = """\
+import os, sys, time
+from pathlib import Path
+from transformer.config import DecodeConfig
+from transformer.decoding.helpers import helped
+
+def write(path, hyps):  # a part that takes a minute
+    Path(os.environ["HELPER_PID"]).write_text(str(os.getpid()))
+    time.sleep(60)
+
+if __name__ == "__main__":
+    share = [("cpu", {Path(sys.argv[1]): ["a house"]})]
+    with helped(share, sys.argv[2:], DecodeConfig(beam_size=1), 1, write) as helpers:
+        helpers.wait(lambda: None)
+"""
+
+
+def test_a_helper_whose_stage_is_killed_outright_ends_too(teachers, tmp_path):
+    """SIGKILL to the stage's process alone (the OOM killer's choice): its helpers end with
+    it, not at the end of their part (hours on a GPU at WMT scale), beside the rerun."""
+    (tmp_path / "slow.py").write_text(SLOW)
+    pid_file = tmp_path / "helper.pid"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}", "HELPER_PID": str(pid_file)}
+    cmd = [sys.executable, "-m", "slow", str(tmp_path / "part.parquet"), *map(str, teachers)]
+    stage = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for(pid_file.is_file, 120, stage, "the helper's first part")
+    helper = int(pid_file.read_text())
+    stage.kill()
+    stage.wait()
+    deadline = time.monotonic() + 30
+    while _running(helper):
+        assert time.monotonic() < deadline, "the helper outlived its stage by 30 s"
+        time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, waiting for its parent
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_stop_in_the_stage_ends_its_helpers(cleaned, teachers, tmp_path, monkeypatch):

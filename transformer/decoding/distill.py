@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
-import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +32,7 @@ from transformer.console import Progress
 from transformer.data import ROLES, DataError
 from transformer.data.sources import SCHEMA
 from transformer.decoding.evaluate import translate_and_score
+from transformer.decoding.helpers import helped
 from transformer.decoding.translate import load_ensemble, translate_lines
 from transformer.files import atomic_file, atomic_write
 from transformer.nn.kv_cache import Arena
@@ -96,33 +94,35 @@ def _translate_parts(
     """The teachers' translation of every line, part by part; parts already written (by a
     run that was stopped) are read back, not translated again. The missing parts are dealt
     out in turn to the devices: this process translates the first's share with `models`,
-    a helper process each of the others' with its own copy of the `teachers`."""
+    a helper process each of the others' (helpers.py)."""
     parts.mkdir(parents=True, exist_ok=True)
     for leftover in parts.glob(".*.tmp"):  # a part a stopped run was writing
         leftover.unlink()
     size = cfg.part_pairs
     chunks = {parts / f"{i // size:05d}.parquet": lines[i : i + size]
               for i in range(0, len(lines), size)}  # fmt: skip
-    todo = [path for path in chunks if not path.is_file()]
+    todo = {path for path in chunks if not path.is_file()}
     if len(todo) < len(chunks):
         log.info("distilling: %d/%d parts written by a stopped run, read back",
                  len(chunks) - len(todo), len(chunks))  # fmt: skip
-    shares = [todo[k :: len(devices)] for k in range(len(devices))]
+    n = max(1, min(len(devices), len(todo)))  # the processes that translate
+    shares = [[path for path in chunks if path in todo][k::n] for k in range(n)]
     done = sum(len(chunk) for path, chunk in chunks.items() if path not in todo)
     progress = Progress("distilling", len(lines), "sentences", log, done=done)
     written = _Written(todo, chunks, progress)
-    threads = max(1, torch.get_num_threads() // len(devices))
-    helpers = [(device, {path: chunks[path] for path in share})
-               for device, share in zip(devices[1:], shares[1:], strict=True) if share]  # fmt: skip
-    with _helped(helpers, teachers, cfg, threads) as wait, _threads(threads):
+    threads = max(1, torch.get_num_threads() // n)  # on a CPU, the cores' threads shared
+    others = [(device, {path: chunks[path] for path in share})
+              for device, share in zip(devices[1:n], shares[1:], strict=True)]  # fmt: skip
+    with helped(others, teachers, cfg.decode, threads, _write_part) as helpers, _threads(threads):
         # One cache memory for every part: an arena a part, freed after it, left glibc's
         # heap a GB larger a part of 2,000 sentences (three teachers on a CPU).
         arena = Arena()
         for path in shares[0]:
             _write_part(path, translate_lines(models, sp, chunks[path], cfg.decode, devices[0],
                                               arena=arena))  # fmt: skip
+            helpers.check()  # a helper that failed ends the stage now, not hours later
             written.count()
-        wait(written.count)
+        helpers.wait(written.count)
     progress.close()
     return [hyp for path, chunk in chunks.items() for hyp in _read_part(path, len(chunk))]
 
@@ -130,7 +130,7 @@ def _translate_parts(
 class _Written:
     """The progress of every process's parts, from the parts on disk."""
 
-    def __init__(self, todo: list[Path], chunks: dict[Path, list[str]], progress: Progress):
+    def __init__(self, todo: set[Path], chunks: dict[Path, list[str]], progress: Progress):
         self.todo, self.chunks, self.progress = set(todo), chunks, progress
 
     def count(self) -> None:
@@ -148,73 +148,6 @@ def _threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-POLL_S = 1.0  # how often the stage, its own share done, looks at its helpers
-
-
-@contextlib.contextmanager
-def _helped(helpers: list[tuple[str, dict[Path, list[str]]]], teachers: list[str],
-            cfg: DistillConfig, threads: int):  # fmt: skip
-    """Start a process per (device, its parts); yield `wait(poll)`, which returns once
-    every helper is done, calling `poll` meanwhile, and raises a helper's failure in one
-    line. However the block ends, no helper outlives it: a stop, or a failure here, ends
-    them (a part a helper was writing is discarded whole, as any stopped write)."""
-    context = torch.multiprocessing.get_context("spawn")  # CUDA in the helpers; no fork
-    errors = context.SimpleQueue()
-    procs = [  # by device: several helpers may share the CPU
-        (device, context.Process(target=_helper, daemon=True, name=f"distill-{device}",
-                                 args=(teachers, device, parts, cfg, threads, errors)))
-        for device, parts in helpers
-    ]  # fmt: skip
-    for _, proc in procs:
-        proc.start()
-
-    def wait(poll) -> None:
-        while any(proc.is_alive() for _, proc in procs) and errors.empty():
-            next(proc for _, proc in procs if proc.is_alive()).join(POLL_S)
-            poll()
-        if not errors.empty():
-            raise DistillError(errors.get())
-        for device, proc in procs:
-            if proc.exitcode != 0:
-                raise DistillError(f"the process translating on {device} ended with exit "
-                                   f"code {proc.exitcode}")  # fmt: skip
-
-    try:
-        yield wait
-    finally:
-        for _, proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-            proc.join()
-        errors.close()
-
-
-class DistillError(RuntimeError):
-    """A helper process failed: its device and the first line of its error."""
-
-
-def _helper(teachers: list[str], device: str, parts: dict[Path, list[str]],
-            cfg: DistillConfig, threads: int, errors) -> None:  # fmt: skip
-    """A helper process: translate `parts` on `device` and write each whole. It leaves
-    Ctrl-C to the stage's process, which ends it, and ends by itself at its next part
-    once that process is gone (killed: no one would read what it writes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-    try:
-        torch.set_num_threads(threads)
-        models, sp, _ = load_ensemble(teachers, device)
-        arena = Arena()
-        for path, lines in parts.items():
-            if os.getppid() != parent:
-                return
-            _write_part(path, translate_lines(models, sp, lines, cfg.decode, device,
-                                              arena=arena))  # fmt: skip
-    except Exception as err:  # the stage's process says it: one line, naming the device
-        errors.put(f"the process translating on {device}: {type(err).__name__}: "
-                   f"{(str(err).splitlines() or [''])[0]}")  # fmt: skip
-        sys.exit(1)
 
 
 def _write_part(path: Path, hyps: list[str]) -> None:

@@ -332,11 +332,15 @@ def _open(args: argparse.Namespace, files: contextlib.ExitStack) -> tuple[Binary
 
 
 def _opened(files: contextlib.ExitStack, path: str, option: str) -> BinaryIO:
-    opener = gzip.open if path.endswith(".gz") else open
     try:
-        return files.enter_context(opener(path, "rb"))
+        stream = files.enter_context(open(path, "rb"))  # noqa: SIM115 (closed by `files`)
     except OSError as err:
         raise _UsageError(f"{option} {path}: {err.strerror}") from None
+    if not path.endswith(".gz"):
+        return stream
+    packed = files.enter_context(gzip.GzipFile(fileobj=stream))
+    _read(lambda: packed.peek(1), path)  # not gzip: said now, before the models load
+    return packed
 
 
 CHUNK_BYTES = 1 << 22  # the most input read at once (then sorted by length and batched)
@@ -374,7 +378,7 @@ def _reader(stream: BinaryIO) -> tuple[Callable[[], bytes], Callable[[], bool]]:
     """(read the next block, whether more can be read at once). A pipe's or a terminal's
     descriptor is read as bytes arrive; a gzip file's decompressed text is always ready."""
     if isinstance(stream, gzip.GzipFile):
-        return lambda: stream.read(1 << 16), lambda: True
+        return lambda: stream.read1(1 << 16), lambda: True  # read1: what one read gives
     fd = stream.fileno()
     return lambda: os.read(fd, 1 << 16), lambda: _readable(fd)
 

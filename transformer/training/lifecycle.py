@@ -5,16 +5,15 @@ a save short."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from transformer import processes
 from transformer.files import CHECKPOINTS, locked
 from transformer.training.distributed import DistEnv, barrier
 
@@ -44,11 +43,8 @@ def die_with_parent(asked: bool) -> None:
     Linux can send a SIGTERM when the parent dies: the rank then saves and exits. Not for
     a plain command (`nohup python -m transformer.train ...` outlives its shell) unless
     `asked`, as the pipeline does."""
-    if sys.platform == "linux" and (asked or "TORCHELASTIC_RUN_ID" in os.environ):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() == 1:  # the parent died before the request: act on it now
-            os.kill(os.getpid(), signal.SIGTERM)
+    if asked or "TORCHELASTIC_RUN_ID" in os.environ:
+        processes.die_with_parent()
 
 
 _saving = 0  # saves under way in this process (`whole_save`)
