@@ -10,6 +10,7 @@ word, and Linux stops it when the command that started it dies, however it dies.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -44,7 +45,9 @@ def local_api() -> Iterator[str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
            "--port", str(port), "--no-services", "--no-ui", "--analytics-off"]  # fmt: skip
-    server = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent,
+    # The flow's pid given: a flow that is pid 1 (a container without an init) is alive.
+    ends_with_flow = functools.partial(die_with_parent, os.getpid())
+    server = subprocess.Popen(cmd, start_new_session=True, preexec_fn=ends_with_flow,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     url = f"http://127.0.0.1:{port}/api"
     try:

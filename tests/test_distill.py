@@ -156,12 +156,12 @@ def test_a_helper_that_fails_ends_the_stage_naming_its_device(cleaned, teachers,
         distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(),
                        tmp_path / "user", ["cpu", "cpu"])  # fmt: skip
     message = str(failed.value)
-    assert message.startswith("the process translating on cpu: ") and "\n" not in message
+    assert message.startswith("distill helper 1 (cpu): ") and "\n" not in message
     assert "00001.parquet" in message and is_user_error(failed.value)
     with pytest.raises(helpers_module.HelperCrashed) as crashed:
         distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(),
                        tmp_path / "bug", ["cpu", "cuda:7"])  # fmt: skip
-    assert str(crashed.value).startswith("the process translating on cuda:7: Traceback")
+    assert str(crashed.value).startswith("distill helper 1 (cuda:7): Traceback")
     assert not is_user_error(crashed.value)
     parts = sorted(p.name for p in (tmp_path / "bug" / "parts").iterdir())
     assert parts == ["00000.parquet", "00002.parquet"]
@@ -176,7 +176,7 @@ def _killed(path: Path, hyps: list[str]) -> None:  # a helper's write: the OOM k
 def test_a_helper_killed_without_a_word_is_named_with_its_signal(teachers, tmp_path):
     share = [("cpu", {tmp_path / "00000.parquet": ["a house"]})]
     cfg = distill_cfg().decode
-    killed = r"ended: killed by signal 9 \(SIGKILL\)"
+    killed = r"distill helper 1 \(cpu\) ended: killed by signal 9 \(Killed\)"
     with (
         helpers_module.helped(share, [str(t) for t in teachers], cfg, 1, _killed) as helpers,
         pytest.raises(helpers_module.HelperCrashed, match=killed),

@@ -20,5 +20,7 @@ def die_with_parent(parent: int | None = None) -> None:
     if sys.platform != "linux":
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent if parent is not None else os.getppid() == 1:
+    # Given the parent: under a subreaper (a container's init) an orphan's is not pid 1.
+    gone = os.getppid() == 1 if parent is None else os.getppid() != parent
+    if gone:
         os.kill(os.getpid(), signal.SIGTERM)
