@@ -14,13 +14,12 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent: int | None = None) -> None:
-    """From now on, a SIGTERM to this process when its parent dies; at once if it already
-    has (`parent`: its pid, else a parent of pid 1 means gone). Elsewhere than Linux,
-    nothing."""
+    """From now on, a SIGTERM to this process when its parent dies; at once if `parent`,
+    the pid of the process that started this one, is gone already. None: not known, and a
+    parent of pid 1 is no sign of an orphan (a torchrun that is a container's first
+    process). Elsewhere than Linux, nothing."""
     if sys.platform != "linux":
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    # Given the parent: under a subreaper (a container's init) an orphan's is not pid 1.
-    gone = os.getppid() == 1 if parent is None else os.getppid() != parent
-    if gone:
+    if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -42,7 +42,8 @@ def die_with_parent(asked: bool) -> None:
     the pipeline around it) would leave the ranks training on, orphaned, beside a rerun.
     Linux can send a SIGTERM when the parent dies: the rank then saves and exits. Not for
     a plain command (`nohup python -m transformer.train ...` outlives its shell) unless
-    `asked`, as the pipeline does."""
+    `asked`, as the pipeline does. The parent's pid is not known here, and pid 1 may be
+    torchrun itself (a container's first process)."""
     if asked or "TORCHELASTIC_RUN_ID" in os.environ:
         processes.die_with_parent()
 
