@@ -46,7 +46,7 @@ class HelperCrashed(RuntimeError):
 
 @dataclass
 class _Helper:
-    name: str  # "helper 2 (cuda:1)": several may share the CPU
+    name: str  # "distill helper 2 (cuda:1)": several may share the CPU
     proc: multiprocessing.Process
     said: Connection  # what it says before it exits on a failure; a pipe of its own
 
