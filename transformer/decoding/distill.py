@@ -64,7 +64,7 @@ def distill_corpus(
     side = "src" if cfg.replace == "target" else "tgt"  # what the teachers translate
     lines = train[side].to_pylist()
     made = _translate_parts(models, sp, lines, cfg, out / PARTS, devices, paths)
-    report = {"teachers": [str(t) for t in teachers], "replace": cfg.replace}
+    report = {"teachers": paths, "replace": cfg.replace}
     report |= _write_train(train, made, cfg, out / "train.parquet")
     for role in ROLES[1:]:  # valid, test: the cleaned splits, scored against their references
         _copy(cleaned / f"{role}.parquet", out / f"{role}.parquet")
@@ -106,7 +106,8 @@ def _translate_parts(
         log.info("distilling: %d/%d parts written by a stopped run, read back",
                  len(chunks) - len(todo), len(chunks))  # fmt: skip
     n = max(1, min(len(devices), len(todo)))  # the processes that translate
-    shares = [[path for path in chunks if path in todo][k::n] for k in range(n)]
+    missing = [path for path in chunks if path in todo]  # in order, dealt out in turn
+    shares = [missing[k::n] for k in range(n)]
     done = sum(len(chunk) for path, chunk in chunks.items() if path not in todo)
     progress = Progress("distilling", len(lines), "sentences", log, done=done)
     written = _Written(todo, chunks, progress)
