@@ -5,10 +5,12 @@ the distill stage with its rerun, byte for byte."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import multiprocessing
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -17,6 +19,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -103,11 +106,9 @@ def test_every_part_decodes_into_one_cache_memory(cleaned, teachers, tmp_path, m
     distilled 13 of Multi30k's 15 parts peaked at 18.9 GB. The stage keeps one for all."""
     made = count_arenas(monkeypatch, distill_module, translate_module)
     models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
-    sources = pq.read_table(cleaned / "train.parquet")["src"].to_pylist()
-    hyps = distill_module._translate_parts(
-        models, sp, sources, distill_cfg(), tmp_path, ["cpu"], []
-    )
-    assert len(list(tmp_path.glob("*.parquet"))) == 3 and len(hyps) == len(sources)
+    read = functools.partial(distill_module._read_column, cleaned / "train.parquet", "src")
+    hyps = distill_module._translate_parts(models, sp, read, distill_cfg(), tmp_path, ["cpu"], [])
+    assert len(list(tmp_path.glob("*.parquet"))) == 3 and len(hyps) == len(read())
     assert len(made) == 1
 
 
@@ -131,19 +132,35 @@ def test_the_missing_parts_are_dealt_out_to_a_process_a_device(
     cleaned, teachers, tmp_path, monkeypatch
 ):
     """Three devices, three parts: this process translates the first, a helper process
-    each of the others, and the corpus is the one a single process writes."""
+    each of the others, and the corpus is the one a single process writes. A helper is
+    sent its parts' rows, not their lines (tens of MB a helper at WMT scale)."""
     alone, dealt = tmp_path / "alone", tmp_path / "dealt"
     distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), alone, ["cpu"])
     here, translate = [], distill_module.translate_lines
     monkeypatch.setattr(distill_module, "translate_lines",
                         lambda m, sp, lines, *a, **kw: here.append(lines) or translate(
                             m, sp, lines, *a, **kw))  # fmt: skip
+    sent = _record_helpers_args(monkeypatch)
     devices = ["cpu"] * 3
     distill_corpus(cleaned, teachers, distill_cfg(), DATA, ScoreConfig(), dealt, devices)
     sources = pq.read_table(cleaned / "train.parquet")["src"].to_pylist()
     assert here == [sources[:3]]  # the stage's own share; valid and test: evaluate's
     assert (dealt / "train.parquet").read_bytes() == (alone / "train.parquet").read_bytes()
     assert not multiprocessing.active_children()
+    assert len(sent) == 2 and not any(b"das haus" in pickle.dumps(a) for a in sent)
+
+
+def _record_helpers_args(monkeypatch) -> list[tuple]:
+    """What the stage sends each helper process it starts."""
+    sent, spawn = [], multiprocessing.get_context("spawn")
+
+    def process(*a, args=(), **kw):
+        sent.append(args)
+        return spawn.Process(*a, args=args, **kw)
+
+    context = SimpleNamespace(Pipe=spawn.Pipe, Process=process)
+    monkeypatch.setattr(helpers_module.multiprocessing, "get_context", lambda kind: context)
+    return sent
 
 
 def test_a_helper_that_fails_ends_the_stage_naming_its_device(cleaned, teachers, tmp_path):
@@ -173,12 +190,16 @@ def _killed(path: Path, hyps: list[str]) -> None:  # a helper's write: the OOM k
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _a_house() -> pa.ChunkedArray:  # a helper's lines
+    return pa.chunked_array([["a house"]])
+
+
 def test_a_helper_killed_without_a_word_is_named_with_its_signal(teachers, tmp_path):
-    share = [("cpu", {tmp_path / "00000.parquet": ["a house"]})]
-    cfg = distill_cfg().decode
+    share = [("cpu", {tmp_path / "00000.parquet": slice(0, 1)})]
+    teacher_paths, cfg = [str(t) for t in teachers], distill_cfg().decode
     killed = r"distill helper 1 \(cpu\) ended: killed by signal 9 \(Killed\)"
     with (
-        helpers_module.helped(share, [str(t) for t in teachers], cfg, 1, _killed) as helpers,
+        helpers_module.helped(share, _a_house, teacher_paths, cfg, 1, _killed) as helpers,
         pytest.raises(helpers_module.HelperCrashed, match=killed),
     ):
         helpers.wait(lambda: None)
@@ -188,16 +209,20 @@ def test_a_helper_killed_without_a_word_is_named_with_its_signal(teachers, tmp_p
 SLOW = """\
 import os, sys, time
 from pathlib import Path
+import pyarrow as pa
 from transformer.config import DecodeConfig
 from transformer.decoding.helpers import helped
+
+def read():
+    return pa.chunked_array([["a house"]])
 
 def write(path, hyps):  # a part that takes a minute
     Path(os.environ["HELPER_PID"]).write_text(str(os.getpid()))
     time.sleep(60)
 
 if __name__ == "__main__":
-    share = [("cpu", {Path(sys.argv[1]): ["a house"]})]
-    with helped(share, sys.argv[2:], DecodeConfig(beam_size=1), 1, write) as helpers:
+    share = [("cpu", {Path(sys.argv[1]): slice(0, 1)})]
+    with helped(share, read, sys.argv[2:], DecodeConfig(beam_size=1), 1, write) as helpers:
         helpers.wait(lambda: None)
 """
 

@@ -17,6 +17,7 @@ GPU of eight would take the whole stage.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import shutil
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from transformer.console import Progress
 from transformer.data import ROLES, DataError
 from transformer.data.sources import SCHEMA
 from transformer.decoding.evaluate import translate_and_score
-from transformer.decoding.helpers import helped
+from transformer.decoding.helpers import Read, helped
 from transformer.decoding.translate import load_ensemble, translate_lines
 from transformer.files import atomic_file, atomic_write
 from transformer.nn.kv_cache import Arena
@@ -60,10 +61,10 @@ def distill_corpus(
     paths = [str(t) for t in teachers]
     models, sp, teacher_params = load_ensemble(paths, device)
     _check_direction(teachers[0], teacher_params.data, data, cfg.replace)
-    train = pq.read_table(cleaned / "train.parquet")
     side = "src" if cfg.replace == "target" else "tgt"  # what the teachers translate
-    lines = train[side].to_pylist()
-    made = _translate_parts(models, sp, lines, cfg, out / PARTS, devices, paths)
+    read = functools.partial(_read_column, cleaned / "train.parquet", side)
+    made = _translate_parts(models, sp, read, cfg, out / PARTS, devices, paths)
+    train = pq.read_table(cleaned / "train.parquet")
     report = {"teachers": paths, "replace": cfg.replace}
     report |= _write_train(train, made, cfg, out / "train.parquet")
     for role in ROLES[1:]:  # valid, test: the cleaned splits, scored against their references
@@ -87,19 +88,24 @@ def _check_direction(teacher: Path, theirs: DataConfig, ours: DataConfig, replac
         )
 
 
+def _read_column(path: Path, column: str) -> pa.ChunkedArray:
+    return pq.read_table(path, columns=[column])[column]
+
+
 def _translate_parts(
-    models, sp, lines: list[str], cfg: DistillConfig, parts: Path, devices: list[str],
+    models, sp, read: Read, cfg: DistillConfig, parts: Path, devices: list[str],
     teachers: list[str],
 ) -> list[str]:  # fmt: skip
-    """The teachers' translation of every line, part by part; parts already written (by a
-    run that was stopped) are read back, not translated again. The missing parts are dealt
-    out in turn to the devices: this process translates the first's share with `models`,
-    a helper process each of the others' (helpers.py)."""
+    """The teachers' translation of every line `read` returns, part by part; parts already
+    written (by a run that was stopped) are read back, not translated again. The missing
+    parts are dealt out in turn to the devices: this process translates the first's share
+    with `models`, a helper process each of the others' (helpers.py), which reads its lines
+    with `read`."""
     parts.mkdir(parents=True, exist_ok=True)
     for leftover in parts.glob(".*.tmp"):  # a part a stopped run was writing
         leftover.unlink()
-    size = cfg.part_pairs
-    chunks = {parts / f"{i // size:05d}.parquet": lines[i : i + size]
+    lines, size = read(), cfg.part_pairs
+    chunks = {parts / f"{i // size:05d}.parquet": slice(i, min(i + size, len(lines)))
               for i in range(0, len(lines), size)}  # fmt: skip
     todo = {path for path in chunks if not path.is_file()}
     if len(todo) < len(chunks):
@@ -108,36 +114,44 @@ def _translate_parts(
     n = max(1, min(len(devices), len(todo)))  # the processes that translate
     missing = [path for path in chunks if path in todo]  # in order, dealt out in turn
     shares = [missing[k::n] for k in range(n)]
-    done = sum(len(chunk) for path, chunk in chunks.items() if path not in todo)
+    done = sum(_rows(chunk) for path, chunk in chunks.items() if path not in todo)
     progress = Progress("distilling", len(lines), "sentences", log, done=done)
     written = _Written(todo, chunks, progress)
     threads = max(1, torch.get_num_threads() // n)  # on a CPU, the cores' threads shared
     others = [(device, {path: chunks[path] for path in share})
               for device, share in zip(devices[1:n], shares[1:], strict=True)]  # fmt: skip
-    with helped(others, teachers, cfg.decode, threads, _write_part) as helpers, _threads(threads):
+    with (
+        helped(others, read, teachers, cfg.decode, threads, _write_part) as helpers,
+        _threads(threads),
+    ):
         # One cache memory for every part: an arena a part, freed after it, left glibc's
         # heap a GB larger a part of 2,000 sentences (three teachers on a CPU).
         arena = Arena()
         for path in shares[0]:
-            _write_part(path, translate_lines(models, sp, chunks[path], cfg.decode, devices[0],
-                                              arena=arena))  # fmt: skip
+            hyps = translate_lines(models, sp, lines[chunks[path]].to_pylist(), cfg.decode,
+                                   devices[0], arena=arena)  # fmt: skip
+            _write_part(path, hyps)
             helpers.check()  # a helper that failed ends the stage now, not hours later
             written.count()
         helpers.wait(written.count)
     progress.close()
-    return [hyp for path, chunk in chunks.items() for hyp in _read_part(path, len(chunk))]
+    return [hyp for path, chunk in chunks.items() for hyp in _read_part(path, _rows(chunk))]
+
+
+def _rows(chunk: slice) -> int:
+    return chunk.stop - chunk.start
 
 
 class _Written:
     """The progress of every process's parts, from the parts on disk."""
 
-    def __init__(self, todo: set[Path], chunks: dict[Path, list[str]], progress: Progress):
+    def __init__(self, todo: set[Path], chunks: dict[Path, slice], progress: Progress):
         self.todo, self.chunks, self.progress = set(todo), chunks, progress
 
     def count(self) -> None:
         new = {path for path in self.todo if path.is_file()}
         self.todo -= new
-        self.progress.update(sum(len(self.chunks[path]) for path in new))
+        self.progress.update(sum(_rows(self.chunks[path]) for path in new))
 
 
 @contextlib.contextmanager

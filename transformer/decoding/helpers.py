@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 from transformer.cli import USER_ERRORS, UserError, one_line
@@ -30,7 +31,8 @@ from transformer.decoding.translate import load_ensemble, translate_lines
 from transformer.nn.kv_cache import Arena
 from transformer.processes import die_with_parent
 
-Share = tuple[str, dict[Path, list[str]]]  # a device, and the parts it translates: their lines
+Share = tuple[str, dict[Path, slice]]  # a device, and the parts it translates: their rows
+Read = Callable[[], pa.ChunkedArray]  # reads the lines the teachers translate
 Write = Callable[[Path, list[str]], None]  # writes a part's translations whole
 
 POLL_S = 1.0  # how often the stage, its own share done, looks at its helpers
@@ -91,9 +93,10 @@ def _how(code: int) -> str:
 
 
 @contextlib.contextmanager
-def helped(shares: list[Share], teachers: list[str], cfg: DecodeConfig, threads: int,
-           write: Write) -> Iterator[Helpers]:  # fmt: skip
-    """A helper process a share, started for the block and ended with it."""
+def helped(shares: list[Share], read: Read, teachers: list[str], cfg: DecodeConfig,
+           threads: int, write: Write) -> Iterator[Helpers]:  # fmt: skip
+    """A helper process a share, started for the block and ended with it. Each reads the
+    lines itself: at WMT scale a share's lines are tens of MB to pickle through its pipe."""
     # spawn: no fork of a process that holds threads, locks or CUDA. Not the forkserver of
     # the shard stage's pool: a helper must be the stage's own child for the kernel to end
     # it with the stage (a forkserver outlives its caller while its children live).
@@ -102,7 +105,7 @@ def helped(shares: list[Share], teachers: list[str], cfg: DecodeConfig, threads:
     try:
         for k, (device, parts) in enumerate(shares, 1):
             said, says = context.Pipe(duplex=False)
-            args = (teachers, device, parts, cfg, threads, write, says, os.getpid())
+            args = (read, teachers, device, parts, cfg, threads, write, says, os.getpid())
             proc = context.Process(target=_helper, args=args, daemon=True, name=f"distill-{k}")
             helpers.append(_Helper(f"distill helper {k} ({device})", proc, said))
             # Ctrl-C is the stage's to take: held back from a helper until it ignores it
@@ -124,21 +127,24 @@ def helped(shares: list[Share], teachers: list[str], cfg: DecodeConfig, threads:
             helper.said.close()
 
 
-def _helper(teachers: list[str], device: str, parts: dict[Path, list[str]], cfg: DecodeConfig,
-            threads: int, write: Write, says: Connection, stage: int) -> None:  # fmt: skip
-    """Translate `parts` on `device` and write each whole. A failure goes back to the
-    stage: a user error in one line (naming the part where the error names no file), a
-    bug with its traceback."""
+def _helper(read: Read, teachers: list[str], device: str, parts: dict[Path, slice],
+            cfg: DecodeConfig, threads: int, write: Write, says: Connection,
+            stage: int) -> None:  # fmt: skip
+    """Translate the lines of `parts` on `device` and write each part whole. A failure goes
+    back to the stage: a user error in one line (naming the part where the error names no
+    file), a bug with its traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     die_with_parent(stage)
     part = None
     try:
         torch.set_num_threads(threads)
+        lines = read()
         models, sp, _ = load_ensemble(teachers, device)
         arena = Arena()  # one cache memory for every part (distill.py says why)
-        for part, lines in parts.items():
-            write(part, translate_lines(models, sp, lines, cfg, device, arena=arena))
+        for part, rows in parts.items():
+            hyps = translate_lines(models, sp, lines[rows].to_pylist(), cfg, device, arena=arena)
+            write(part, hyps)
     except USER_ERRORS as err:
         text = (str(err).splitlines() or [""])[0]
         if isinstance(err, OSError) and err.filename is None and part is not None:
