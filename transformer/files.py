@@ -8,11 +8,13 @@ renames it into place; single files go through `atomic_write` (write aside, fsyn
 from __future__ import annotations
 
 import fcntl
+import gzip
 import hashlib
 import os
 import shutil
 import stat
 import uuid
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +34,8 @@ MODEL = "model.pt"  # an exported (averaged) model, everything translate needs
 SCORES = "scores.json"
 STAGE_RECORD = "stage.json"  # what a finished stage holds (tasks/stages.py)
 PARAMS = "params.yaml"  # resolved params of a pipeline run
+
+GZIP_DAMAGE = (EOFError, zlib.error, gzip.BadGzipFile)  # reading a cut or corrupt gzip file
 
 
 def hypotheses(role: str) -> str:
@@ -86,6 +90,15 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out_dir)
+
+
+@contextmanager
+def gzip_damage(name: object, error: type[Exception]) -> Iterator[None]:
+    """A cut or corrupt gzip file, wherever in it the damage shows, as one `error` naming it."""
+    try:
+        yield
+    except GZIP_DAMAGE as err:
+        raise error(f"{name}: truncated or corrupt gzip file ({err})") from None
 
 
 def file_sha256(path: str | os.PathLike) -> str:

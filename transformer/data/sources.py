@@ -20,7 +20,6 @@ import logging
 import re
 import stat
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import pyarrow.parquet as pq
 
 from transformer.config import DataConfig, SourceConfig
 from transformer.data import ROLES, DataError
-from transformer.files import PREPARE_REPORT, atomic_dir, file_sha256
+from transformer.files import PREPARE_REPORT, atomic_dir, file_sha256, gzip_damage
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +398,7 @@ def _lines(path: Path) -> Iterator[Iterator[bytes]]:
 
     def read(f: IO[bytes]) -> Iterator[bytes]:
         number = 0
-        try:
+        with gzip_damage(path, DataError):
             while line := f.readline(MAX_LINE_BYTES + 1):  # never more than the bound held
                 number += 1
                 if len(line) > MAX_LINE_BYTES:
@@ -408,8 +407,6 @@ def _lines(path: Path) -> Iterator[Iterator[bytes]]:
                         f"{path}: line {number}: longer than {limit} bytes: no sentence"
                     )
                 yield line
-        except (EOFError, zlib.error, gzip.BadGzipFile) as err:
-            raise DataError(f"{path}: truncated or corrupt gzip file ({err})") from None
 
     with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
         yield read(f)

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import sys
-import zlib
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -34,7 +33,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from transformer.cli import ArgumentParser
 from transformer.config import DataConfig, DecodeConfig, ScoreConfig
 from transformer.data import DataError
-from transformer.files import SCORES, atomic_dir, file_sha256, hypotheses
+from transformer.files import SCORES, atomic_dir, file_sha256, gzip_damage, hypotheses
 
 # get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Python's re.sub, like
 # Perl's s///g, replaces non-overlapping matches left to right, so "a-b-c" gives
@@ -188,19 +187,16 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     lines, total = [], 0
-    try:
-        with opener(path, "rb") as f:
-            while line := f.readline(MAX_LINE_BYTES + 2):  # the bound, "\r\n" and no more
-                total += len(line)
-                body = line.rstrip(b"\r\n")
-                if len(body) > MAX_LINE_BYTES:
-                    raise DataError(f"{path}: line {len(lines) + 1}: longer than "
-                                     f"{MAX_LINE_BYTES:,} bytes: not a sentence")  # fmt: skip
-                if total > MAX_TEXT_BYTES:
-                    raise DataError(f"{path}: larger than {MAX_TEXT_BYTES:,} bytes: no test set")
-                lines.append(_text(body, path, len(lines) + 1))
-    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
-        raise DataError(f"{path}: truncated or corrupt gzip file ({err})") from None
+    with gzip_damage(path, DataError), opener(path, "rb") as f:
+        while line := f.readline(MAX_LINE_BYTES + 2):  # the bound, "\r\n" and no more
+            total += len(line)
+            body = line.rstrip(b"\r\n")
+            if len(body) > MAX_LINE_BYTES:
+                raise DataError(f"{path}: line {len(lines) + 1}: longer than "
+                                 f"{MAX_LINE_BYTES:,} bytes: not a sentence")  # fmt: skip
+            if total > MAX_TEXT_BYTES:
+                raise DataError(f"{path}: larger than {MAX_TEXT_BYTES:,} bytes: no test set")
+            lines.append(_text(body, path, len(lines) + 1))
     return lines
 
 

@@ -22,7 +22,6 @@ import os
 import re
 import select
 import sys
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -36,7 +35,7 @@ from transformer.config import DecodeConfig, Params
 from transformer.console import PROGRESS_EVERY_S, Progress
 from transformer.data.vocab import Lowercasing, VocabError, load_spm
 from transformer.decoding.search import Hypothesis, beam_search
-from transformer.files import atomic_file, check_output
+from transformer.files import atomic_file, check_output, gzip_damage
 from transformer.model_file import CheckpointError, load_model_file, params_of
 from transformer.nn.kv_cache import Arena
 from transformer.nn.model import Transformer
@@ -384,10 +383,8 @@ def _reader(stream: BinaryIO) -> tuple[Callable[[], bytes], Callable[[], bool]]:
 
 
 def _read(read: Callable[[], bytes], name: str) -> bytes:
-    try:
+    with gzip_damage(name, ValueError):
         return read()
-    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
-        raise ValueError(f"{name}: truncated or corrupt gzip file ({err})") from None
 
 
 def _readable(fd: int) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import gzip
 import math
 import sys
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from transformer.config import Params, ParamsError, load_params, read_yaml
 from transformer.data import ROLES, DataError
 from transformer.data.sources import split_files
 from transformer.decoding.evaluate import tokenized_refs
+from transformer.files import GZIP_DAMAGE
 from transformer.training.optim import cooldown_start, inverse_sqrt_schedule
 
 # A peak this many times the parent params' is what shortening the warmup alone does
@@ -157,7 +157,7 @@ def count_corpus(paths: list[Path]) -> Corpus | None:
     side; None if a file cannot be read (the prepare stage names the fault)."""
     try:
         counts = [_count_words(path) for path in paths]
-    except (OSError, EOFError, zlib.error, gzip.BadGzipFile):
+    except (OSError, *GZIP_DAMAGE):
         return None
     pairs = max(lines for lines, _, _ in counts)
     tokens = max(words + lines for lines, words, _ in counts)
