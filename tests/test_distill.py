@@ -39,6 +39,7 @@ from tasks.stages import StageRun
 from transformer.config import DataConfig, DistillConfig, ParamsError, ScoreConfig, load_params
 from transformer.data import DataError
 from transformer.decoding import distill as distill_module
+from transformer.decoding import evaluate as evaluate_module
 from transformer.decoding import helpers as helpers_module
 from transformer.decoding import translate as translate_module
 from transformer.decoding.distill import distill_corpus
@@ -110,6 +111,16 @@ def test_every_part_decodes_into_one_cache_memory(cleaned, teachers, tmp_path, m
     hyps = distill_module._translate_parts(models, sp, read, distill_cfg(), tmp_path, ["cpu"], [])
     assert len(list(tmp_path.glob("*.parquet"))) == 3 and len(hyps) == len(read())
     assert len(made) == 1
+
+
+def test_valid_and_test_decode_into_one_cache_memory(cleaned, teachers, tmp_path, monkeypatch):
+    """The ensemble's scores, as the decode stage's: both splits in one cache memory."""
+    made = count_arenas(monkeypatch, evaluate_module, translate_module)
+    models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
+    scores, _ = evaluate_module.translate_and_score(
+        models, sp, cleaned, DATA, distill_cfg().decode, ScoreConfig(), tmp_path, "cpu"
+    )
+    assert set(scores) == {"valid", "test"} and len(made) == 1
 
 
 def test_a_stopped_distillation_resumes_at_its_first_missing_part(

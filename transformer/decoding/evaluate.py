@@ -34,6 +34,7 @@ from transformer.cli import ArgumentParser
 from transformer.config import DataConfig, DecodeConfig, ScoreConfig
 from transformer.data import DataError
 from transformer.files import SCORES, atomic_dir, file_sha256, gzip_damage, hypotheses
+from transformer.nn.kv_cache import Arena
 
 # get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Python's re.sub, like
 # Perl's s///g, replaces non-overlapping matches left to right, so "a-b-c" gives
@@ -163,12 +164,12 @@ def translate_and_score(
     and the test split's sources and hypotheses."""
     from transformer.decoding.translate import translate_lines
 
-    scores = {}
+    scores, arena = {}, Arena()  # one cache memory for both splits
     for role in ("valid", "test"):
         refs_tok = tokenized_refs(score_cfg, data, role)  # missing: fail before decoding
         table = pq.read_table(Path(cleaned) / f"{role}.parquet")
         sources, refs = table["src"].to_pylist(), table["tgt"].to_pylist()
-        hyps = translate_lines(model, sp, sources, decode_cfg, device, f"decoding {role}")
+        hyps = translate_lines(model, sp, sources, decode_cfg, device, f"decoding {role}", arena)
         (out_dir / hypotheses(role)).write_text("".join(h + "\n" for h in hyps), "utf-8")
         scores[role] = score_split(hyps, refs, score_cfg, data.tgt_lang, refs_tok)
     return scores, (sources, hyps)
