@@ -3,6 +3,7 @@ for a tiny model that trains in a fraction of a second per step on a CPU."""
 
 from __future__ import annotations
 
+import os
 import random
 import textwrap
 from pathlib import Path
@@ -245,6 +246,17 @@ def assert_same_training(a: dict, b: dict) -> None:
             assert torch.equal(value, b["optimizer"]["state"][pid][name]), (pid, name)
     assert a["scheduler"] == b["scheduler"]
     assert a["data"] == b["data"]
+
+
+def alive(pid: int) -> bool:
+    """Whether a process (not necessarily a child) runs: a zombie is dead, waiting for its
+    parent."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def count_arenas(monkeypatch, *modules) -> list:

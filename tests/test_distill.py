@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import count_arenas, wait_for
+from conftest import alive, count_arenas, wait_for
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -252,18 +252,9 @@ def test_a_helper_whose_stage_is_killed_outright_ends_too(teachers, tmp_path):
     stage.kill()
     stage.wait()
     deadline = time.monotonic() + 30
-    while _running(helper):
+    while alive(helper):
         assert time.monotonic() < deadline, "the helper outlived its stage by 30 s"
         time.sleep(0.2)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, waiting for its parent
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_stop_in_the_stage_ends_its_helpers(cleaned, teachers, tmp_path, monkeypatch):

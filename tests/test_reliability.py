@@ -525,22 +525,22 @@ def test_a_stop_inside_a_database_call_waits_for_its_end(tmp_path):
         db.exec_driver_sql("insert into runs values (4)")
 
 
-ENDS_WITH = (
-    "import sys; from transformer.processes import die_with_parent; "
-    "die_with_parent(None if sys.argv[1] == 'unknown' else int(sys.argv[1])); print('alive')"
+ENDS_WITH = (  # told a pid, or its parent's as it started
+    "import os, sys; from transformer.processes import die_with_parent; "
+    "die_with_parent(os.getppid() if sys.argv[1] == 'mine' else int(sys.argv[1])); print('alive')"
 )
 
 
 def test_a_process_ends_at_once_if_its_parent_is_gone_and_pid_1_is_no_sign(tmp_path):
     """processes.die_with_parent: a process told its parent's pid, which is no longer its
     parent, ends at once; one whose parent is pid 1 (a torchrun that is a container's
-    first process) and unknown lives on (it killed itself on the old rule)."""
+    first process) from its start lives on (it killed itself on an old rule)."""
     gone = subprocess.run([sys.executable, "-c", ENDS_WITH, str(os.getpid() + 10**6)],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert gone.returncode == -signal.SIGTERM and "alive" not in gone.stdout
     first = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", first,
-           sys.executable, "-c", ENDS_WITH, "unknown"]  # fmt: skip
+           sys.executable, "-c", ENDS_WITH, "mine"]  # fmt: skip
     try:
         child_of_1 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     except FileNotFoundError:

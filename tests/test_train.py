@@ -4,6 +4,7 @@ updates, early stopping, signals."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_training, count_arenas
+from conftest import alive, assert_same_training, count_arenas, wait_for
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -754,6 +755,54 @@ def test_a_stop_between_saves_leaves_no_trace_in_the_result(tiny_params, tiny_sh
     loss = {name: {s: m["train/loss"] for s, m in r.records if "train/loss" in m}
             for name, r in runs.items()}  # fmt: skip
     assert loss["stopped"][20] == pytest.approx(loss["straight"][20], rel=1e-6)
+
+
+SLOW_RENDEZVOUS = """\
+import sys, time
+from pathlib import Path
+import transformer.train as train
+
+rendezvous = train.init_distributed
+
+def slow_rendezvous():  # the other ranks, or nodes, come late
+    Path(sys.argv[1] + ".waiting").touch()
+    while not Path(sys.argv[1]).exists():
+        time.sleep(0.05)
+    return rendezvous()
+
+train.init_distributed = slow_rendezvous
+sys.exit(train.main(sys.argv[2:]))
+"""
+LAUNCHER = (
+    "import subprocess, sys; p = subprocess.Popen(sys.argv[1:]); print(p.pid, flush=True); p.wait()"
+)
+
+
+def test_a_rank_whose_launcher_dies_during_the_rendezvous_ends(tiny_params, tiny_shards, tmp_path):
+    """A torchrun killed while its ranks wait for the others: the death signal is set only
+    after the rendezvous, too late to fire; a rank that finds its parent gone by then ends
+    before it touches the run folder, not training on beside a rerun."""
+    (tmp_path / "slow.py").write_text(SLOW_RENDEZVOUS)
+    out, go = tmp_path / "run", tmp_path / "go"
+    rank = [sys.executable, str(tmp_path / "slow.py"), str(go),
+            *cli(tiny_params, tiny_shards, out, *KILL_PARAMS)[3:], "train.max_steps=100000",
+            "--die-with-parent"]  # fmt: skip
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *rank], env=ENV, cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+    pid = int(launcher.stdout.readline())
+    try:
+        wait_for(Path(f"{go}.waiting").exists, 120, launcher, "the rank's rendezvous")
+        launcher.kill()
+        launcher.wait()
+        go.touch()
+        deadline = time.monotonic() + 60
+        while alive(pid):
+            assert time.monotonic() < deadline, "the orphaned rank went on for 60 s"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not (out / "checkpoints").exists()
 
 
 def test_a_rank_orphaned_by_a_killed_torchrun_saves_and_exits(tiny_params, tiny_shards, tmp_path):

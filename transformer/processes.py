@@ -13,13 +13,13 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int | None = None) -> None:
+def die_with_parent(parent: int) -> None:
     """From now on, a SIGTERM to this process when its parent dies; at once if `parent`,
-    the pid of the process that started this one, is gone already. None: not known, and a
-    parent of pid 1 is no sign of an orphan (a torchrun that is a container's first
-    process). Elsewhere than Linux, nothing."""
+    the pid of the process that started this one, is gone already. A parent of pid 1 is
+    no sign of an orphan (a torchrun that is a container's first process): the pid the
+    process started with is. Elsewhere than Linux, nothing."""
     if sys.platform != "linux":
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if parent is not None and os.getppid() != parent:
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)

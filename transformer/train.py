@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -51,6 +52,7 @@ log = logging.getLogger("transformer.train")  # not "__main__" under -m
 def main(argv: list[str] | None = None, logger: MetricsLogger | None = None) -> int:
     """Train as the command line says; returns the exit code. Rank 0 logs metrics to the
     console and to `logger` (closed on return); other ranks log nothing."""
+    parent = os.getppid()  # before the rendezvous, which may outlast a killed torchrun
     try:
         args = parse_args(argv)
     except SystemExit as exit_:  # argparse's usage errors
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None, logger: MetricsLogger | None = None) -> 
         return EXIT_USAGE
     setup_logging(env.is_main, timestamps=not args.no_timestamps)
     try:
-        die_with_parent(args.die_with_parent)
+        die_with_parent(args.die_with_parent, parent)
         with prepare_run_dir(args.out, args.reset, env):
             return run(params, args, env, logger)
     except USER_ERRORS as err:

@@ -37,15 +37,16 @@ def prepare_run_dir(run_dir: Path, reset: bool, env: DistEnv) -> Iterator[None]:
         yield
 
 
-def die_with_parent(asked: bool) -> None:
+def die_with_parent(asked: bool, parent: int) -> None:
     """torchrun starts every rank in a session of its own, so a SIGKILL of torchrun (or of
     the pipeline around it) would leave the ranks training on, orphaned, beside a rerun.
     Linux can send a SIGTERM when the parent dies: the rank then saves and exits. Not for
     a plain command (`nohup python -m transformer.train ...` outlives its shell) unless
-    `asked`, as the pipeline does. The parent's pid is not known here, and pid 1 may be
-    torchrun itself (a container's first process)."""
+    `asked`, as the pipeline does. `parent`: the parent's pid as the process started (pid
+    1 may be torchrun itself, a container's first process); a parent gone since, during
+    the rendezvous, is a SIGTERM at once."""
     if asked or "TORCHELASTIC_RUN_ID" in os.environ:
-        processes.die_with_parent()
+        processes.die_with_parent(parent)
 
 
 _saving = 0  # saves under way in this process (`whole_save`)
