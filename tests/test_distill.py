@@ -44,6 +44,7 @@ from transformer.decoding import helpers as helpers_module
 from transformer.decoding import translate as translate_module
 from transformer.decoding.distill import distill_corpus
 from transformer.decoding.translate import load_ensemble, translate_lines
+from transformer.nn import kv_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(1800)]
@@ -107,20 +108,33 @@ def test_every_part_decodes_into_one_cache_memory(cleaned, teachers, tmp_path, m
     distilled 13 of Multi30k's 15 parts peaked at 18.9 GB. The stage keeps one for all."""
     made = count_arenas(monkeypatch, distill_module, translate_module)
     models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
-    read = functools.partial(distill_module._read_column, cleaned / "train.parquet", "src")
-    hyps = distill_module._translate_parts(models, sp, read, distill_cfg(), tmp_path, ["cpu"], [])
-    assert len(list(tmp_path.glob("*.parquet"))) == 3 and len(hyps) == len(read())
+    read = functools.partial(distill_module._read_rows, cleaned / "train.parquet", "src")
+    hyps = distill_module._translate_parts(
+        models, sp, read, 7, distill_cfg(), tmp_path, ["cpu"], []
+    )
+    assert len(list(tmp_path.glob("*.parquet"))) == 3 and len(hyps) == 7
     assert len(made) == 1
 
 
 def test_valid_and_test_decode_into_one_cache_memory(cleaned, teachers, tmp_path, monkeypatch):
     """The ensemble's scores, as the decode stage's: both splits in one cache memory."""
-    made = count_arenas(monkeypatch, evaluate_module, translate_module)
+    made = count_arenas(monkeypatch, kv_cache, translate_module)  # evaluate imports it late
     models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
     scores, _ = evaluate_module.translate_and_score(
         models, sp, cleaned, DATA, distill_cfg().decode, ScoreConfig(), tmp_path, "cpu"
     )
     assert set(scores) == {"valid", "test"} and len(made) == 1
+
+
+def test_a_share_is_read_through_the_file_range_by_range(tmp_path):
+    """A process reads its parts' rows only, batch by batch (here a row group of 3 rows
+    a batch): ranges across batches, in the order asked, the last one cut by the end."""
+    path = tmp_path / "train.parquet"
+    lines = [f"line {i}" for i in range(10)]
+    pq.write_table(pa.table({"src": lines}), path, row_group_size=3)
+    wanted = [slice(2, 5), slice(8, 10), slice(0, 1), slice(5, 5)]
+    got = distill_module._read_rows(path, "src", wanted)
+    assert got == [lines[2:5], lines[8:10], lines[0:1], []]
 
 
 def test_a_stopped_distillation_resumes_at_its_first_missing_part(
@@ -170,7 +184,8 @@ def _record_helpers_args(monkeypatch) -> list[tuple]:
         return spawn.Process(*a, args=args, **kw)
 
     context = SimpleNamespace(Pipe=spawn.Pipe, Process=process)
-    monkeypatch.setattr(helpers_module.multiprocessing, "get_context", lambda kind: context)
+    monkeypatch.setattr(helpers_module, "multiprocessing",
+                        SimpleNamespace(get_context=lambda kind: context))  # fmt: skip
     return sent
 
 
@@ -201,8 +216,8 @@ def _killed(path: Path, hyps: list[str]) -> None:  # a helper's write: the OOM k
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _a_house() -> pa.ChunkedArray:  # a helper's lines
-    return pa.chunked_array([["a house"]])
+def _a_house(wanted: list[slice]) -> list[list[str]]:  # a helper's lines
+    return [["a house"] for _ in wanted]
 
 
 def test_a_helper_killed_without_a_word_is_named_with_its_signal(teachers, tmp_path):
@@ -220,12 +235,11 @@ def test_a_helper_killed_without_a_word_is_named_with_its_signal(teachers, tmp_p
 SLOW = """\
 import os, sys, time
 from pathlib import Path
-import pyarrow as pa
 from transformer.config import DecodeConfig
 from transformer.decoding.helpers import helped
 
-def read():
-    return pa.chunked_array([["a house"]])
+def read(wanted):
+    return [["a house"] for _ in wanted]
 
 def write(path, hyps):  # a part that takes a minute
     Path(os.environ["HELPER_PID"]).write_text(str(os.getpid()))

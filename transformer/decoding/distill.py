@@ -62,8 +62,9 @@ def distill_corpus(
     models, sp, teacher_params = load_ensemble(paths, device)
     _check_direction(teachers[0], teacher_params.data, data, cfg.replace)
     side = "src" if cfg.replace == "target" else "tgt"  # what the teachers translate
-    read = functools.partial(_read_column, cleaned / "train.parquet", side)
-    made = _translate_parts(models, sp, read, cfg, out / PARTS, devices, paths)
+    source = cleaned / "train.parquet"
+    read, total = functools.partial(_read_rows, source, side), pq.read_metadata(source).num_rows
+    made = _translate_parts(models, sp, read, total, cfg, out / PARTS, devices, paths)
     train = pq.read_table(cleaned / "train.parquet")
     report = {"teachers": paths, "replace": cfg.replace}
     report |= _write_train(train, made, cfg, out / "train.parquet")
@@ -88,25 +89,35 @@ def _check_direction(teacher: Path, theirs: DataConfig, ours: DataConfig, replac
         )
 
 
-def _read_column(path: Path, column: str) -> pa.ChunkedArray:
-    return pq.read_table(path, columns=[column])[column]
+def _read_rows(path: Path, column: str, wanted: list[slice]) -> list[list[str]]:
+    """The lines of each range of rows in `wanted`, read through the file a batch at a
+    time: a process holds its share of the column, never all of it."""
+    lines: list[list[str]] = [[] for _ in wanted]
+    at = 0
+    for batch in pq.ParquetFile(path).iter_batches(columns=[column]):
+        for got, rows in zip(lines, wanted, strict=True):
+            start, stop = max(rows.start, at), min(rows.stop, at + batch.num_rows)
+            if start < stop:
+                got += batch.column(0).slice(start - at, stop - start).to_pylist()
+        at += batch.num_rows
+    return lines
 
 
 def _translate_parts(
-    models, sp, read: Read, cfg: DistillConfig, parts: Path, devices: list[str],
+    models, sp, read: Read, total: int, cfg: DistillConfig, parts: Path, devices: list[str],
     teachers: list[str],
 ) -> list[str]:  # fmt: skip
-    """The teachers' translation of every line `read` returns, part by part; parts already
-    written (by a run that was stopped) are read back, not translated again. The missing
-    parts are dealt out in turn to the devices: this process translates the first's share
-    with `models`, a helper process each of the others' (helpers.py), which reads its lines
-    with `read`."""
+    """The teachers' translation of the `total` lines `read` reads, part by part; parts
+    already written (by a run that was stopped) are read back, not translated again. The
+    missing parts are dealt out in turn to the devices: this process translates the
+    first's share with `models`, a helper process each of the others' (helpers.py); each
+    reads its share's lines itself."""
     parts.mkdir(parents=True, exist_ok=True)
     for leftover in parts.glob(".*.tmp"):  # a part a stopped run was writing
         leftover.unlink()
-    lines, size = read(), cfg.part_pairs
-    chunks = {parts / f"{i // size:05d}.parquet": slice(i, min(i + size, len(lines)))
-              for i in range(0, len(lines), size)}  # fmt: skip
+    size = cfg.part_pairs
+    chunks = {parts / f"{i // size:05d}.parquet": slice(i, min(i + size, total))
+              for i in range(0, total, size)}  # fmt: skip
     todo = {path for path in chunks if not path.is_file()}
     if len(todo) < len(chunks):
         log.info("distilling: %d/%d parts written by a stopped run, read back",
@@ -115,7 +126,7 @@ def _translate_parts(
     missing = [path for path in chunks if path in todo]  # in order, dealt out in turn
     shares = [missing[k::n] for k in range(n)]
     done = sum(_rows(chunk) for path, chunk in chunks.items() if path not in todo)
-    progress = Progress("distilling", len(lines), "sentences", log, done=done)
+    progress = Progress("distilling", total, "sentences", log, done=done)
     written = _Written(todo, chunks, progress)
     threads = max(1, torch.get_num_threads() // n)  # on a CPU, the cores' threads shared
     others = [(device, {path: chunks[path] for path in share})
@@ -127,10 +138,10 @@ def _translate_parts(
         # One cache memory for every part: an arena a part, freed after it, left glibc's
         # heap a GB larger a part of 2,000 sentences (three teachers on a CPU).
         arena = Arena()
-        for path in shares[0]:
-            hyps = translate_lines(models, sp, lines[chunks[path]].to_pylist(), cfg.decode,
-                                   devices[0], arena=arena)  # fmt: skip
-            _write_part(path, hyps)
+        mine = read([chunks[path] for path in shares[0]])
+        for path, lines in zip(shares[0], mine, strict=True):
+            _write_part(path, translate_lines(models, sp, lines, cfg.decode, devices[0],
+                                              arena=arena))  # fmt: skip
             helpers.check()  # a helper that failed ends the stage now, not hours later
             written.count()
         helpers.wait(written.count)

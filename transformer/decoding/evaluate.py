@@ -34,7 +34,6 @@ from transformer.cli import ArgumentParser
 from transformer.config import DataConfig, DecodeConfig, ScoreConfig
 from transformer.data import DataError
 from transformer.files import SCORES, atomic_dir, file_sha256, gzip_damage, hypotheses
-from transformer.nn.kv_cache import Arena
 
 # get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Python's re.sub, like
 # Perl's s///g, replaces non-overlapping matches left to right, so "a-b-c" gives
@@ -163,6 +162,7 @@ def translate_and_score(
     ensemble (a list) and write `{role}.hyp` into `out_dir`; return the scores by split,
     and the test split's sources and hypotheses."""
     from transformer.decoding.translate import translate_lines
+    from transformer.nn.kv_cache import Arena
 
     scores, arena = {}, Arena()  # one cache memory for both splits
     for role in ("valid", "test"):

@@ -22,7 +22,6 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 
-import pyarrow as pa
 import torch
 
 from transformer.cli import USER_ERRORS, UserError, one_line
@@ -32,7 +31,7 @@ from transformer.nn.kv_cache import Arena
 from transformer.processes import die_with_parent
 
 Share = tuple[str, dict[Path, slice]]  # a device, and the parts it translates: their rows
-Read = Callable[[], pa.ChunkedArray]  # reads the lines the teachers translate
+Read = Callable[[list[slice]], list[list[str]]]  # the lines of each range of rows
 Write = Callable[[Path, list[str]], None]  # writes a part's translations whole
 
 POLL_S = 1.0  # how often the stage, its own share done, looks at its helpers
@@ -95,8 +94,9 @@ def _how(code: int) -> str:
 @contextlib.contextmanager
 def helped(shares: list[Share], read: Read, teachers: list[str], cfg: DecodeConfig,
            threads: int, write: Write) -> Iterator[Helpers]:  # fmt: skip
-    """A helper process a share, started for the block and ended with it. Each reads the
-    lines itself: at WMT scale a share's lines are tens of MB to pickle through its pipe."""
+    """A helper process a share, started for the block and ended with it. Each reads its
+    lines itself (`read`): at WMT scale a share's lines are tens of MB to pickle through a
+    pipe."""
     # spawn: no fork of a process that holds threads, locks or CUDA. Not the forkserver of
     # the shard stage's pool: a helper must be the stage's own child for the kernel to end
     # it with the stage (a forkserver outlives its caller while its children live).
@@ -139,12 +139,11 @@ def _helper(read: Read, teachers: list[str], device: str, parts: dict[Path, slic
     part = None
     try:
         torch.set_num_threads(threads)
-        lines = read()
+        mine = read(list(parts.values()))
         models, sp, _ = load_ensemble(teachers, device)
         arena = Arena()  # one cache memory for every part (distill.py says why)
-        for part, rows in parts.items():
-            hyps = translate_lines(models, sp, lines[rows].to_pylist(), cfg, device, arena=arena)
-            write(part, hyps)
+        for part, lines in zip(parts, mine, strict=True):
+            write(part, translate_lines(models, sp, lines, cfg, device, arena=arena))
     except USER_ERRORS as err:
         text = (str(err).splitlines() or [""])[0]
         if isinstance(err, OSError) and err.filename is None and part is not None:
