@@ -7,14 +7,19 @@ torchrun's key-value stores (its rendezvous and its workers') listen on every in
 whatever address they are given: anyone who reaches the machine could join or disturb the
 run. Here each store's server socket is bound to `--local-addr` first and handed over
 (`master_listen_fd`): the loopback interface for one machine (tasks/launch.py), the node's
-address in its cluster for a Slurm job (tasks/slurm.py). Everything else is torchrun itself.
+address in its cluster for a Slurm job (tasks/slurm.py). It tells its ranks its pid (a rank
+whose launcher died before it asked must know; transformer/processes.py). Everything else is
+torchrun itself.
 """
 
 import argparse
+import os
 import socket
 import sys
 
 import torch.distributed as dist
+
+from transformer.processes import LAUNCHER_PID
 
 
 class BoundTCPStore(dist.TCPStore):
@@ -29,6 +34,7 @@ class BoundTCPStore(dist.TCPStore):
 
 
 if __name__ == "__main__":
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks' parent, until it dies
     wanted = argparse.ArgumentParser(add_help=False)
     wanted.add_argument("--local-addr", "--local_addr", default=BoundTCPStore.address)
     BoundTCPStore.address = wanted.parse_known_args()[0].local_addr

@@ -253,10 +253,10 @@ def alive(pid: int) -> bool:
     parent."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):  # FileNotFound: reaped in between
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def count_arenas(monkeypatch, *modules) -> list:

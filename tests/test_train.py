@@ -4,7 +4,6 @@ updates, early stopping, signals."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -773,36 +772,65 @@ def slow_rendezvous():  # the other ranks, or nodes, come late
 train.init_distributed = slow_rendezvous
 sys.exit(train.main(sys.argv[2:]))
 """
-LAUNCHER = (
-    "import subprocess, sys; p = subprocess.Popen(sys.argv[1:]); print(p.pid, flush=True); p.wait()"
+LAUNCHER = (  # torchrun's part: start the rank (telling it this pid, or not), say its pid
+    # (the rank's output elsewhere: a pipe closed under it would end it), wait
+    "import os, subprocess, sys; from transformer.processes import LAUNCHER_PID; "
+    "os.environ.update({LAUNCHER_PID: str(os.getpid())} if sys.argv[1] == 'says' else {}); "
+    "p = subprocess.Popen(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT); "
+    "print(p.pid, flush=True); p.wait()"
 )
 
 
-def test_a_rank_whose_launcher_dies_during_the_rendezvous_ends(tiny_params, tiny_shards, tmp_path):
+@pytest.mark.parametrize("launcher", ["says", "silent"])
+def test_a_rank_whose_launcher_dies_during_the_rendezvous_ends(
+    launcher, tiny_params, tiny_shards, tmp_path
+):
     """A torchrun killed while its ranks wait for the others: the death signal is set only
     after the rendezvous, too late to fire; a rank that finds its parent gone by then ends
-    before it touches the run folder, not training on beside a rerun."""
+    before it touches the run folder, not training on beside a rerun. A launcher that says
+    its pid (tasks/torchrun.py) may die even before the rank asks; torchrun itself, once
+    the rank has asked its parent."""
     (tmp_path / "slow.py").write_text(SLOW_RENDEZVOUS)
     out, go = tmp_path / "run", tmp_path / "go"
     rank = [sys.executable, str(tmp_path / "slow.py"), str(go),
             *cli(tiny_params, tiny_shards, out, *KILL_PARAMS)[3:], "train.max_steps=100000",
             "--die-with-parent"]  # fmt: skip
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *rank], env=ENV, cwd=ROOT,
-                                stdout=subprocess.PIPE, text=True)  # fmt: skip
-    pid = int(launcher.stdout.readline())
+    env = {**ENV, "PYTHONPATH": str(ROOT)}  # slow.py runs from tmp_path
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, launcher, *rank], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    with proc.stdout:
+        pid = int(proc.stdout.readline())
     try:
-        wait_for(Path(f"{go}.waiting").exists, 120, launcher, "the rank's rendezvous")
-        launcher.kill()
-        launcher.wait()
+        if launcher == "silent":
+            wait_for(Path(f"{go}.waiting").exists, 120, proc, "the rank's rendezvous")
+        proc.kill()
+        proc.wait()
         go.touch()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while alive(pid):
-            assert time.monotonic() < deadline, "the orphaned rank went on for 60 s"
+            assert time.monotonic() < deadline, "the orphaned rank went on for 120 s"
             time.sleep(0.1)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
+    except BaseException:
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
+        raise
     assert not (out / "checkpoints").exists()
+
+
+def test_tasks_torchrun_tells_its_ranks_its_pid(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys; from transformer.processes import LAUNCHER_PID\n"
+        "open(sys.argv[1], 'w').write(f'{os.environ[LAUNCHER_PID]} {os.getppid()}')\n"
+    )
+    cmd = [sys.executable, "-m", "tasks.torchrun", "--nnodes", "1", "--nproc_per_node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--local-addr",
+           "127.0.0.1", str(script), str(tmp_path / "said")]  # fmt: skip
+    env = {**ENV, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said, parent = (tmp_path / "said").read_text().split()
+    assert said == parent  # the rank's parent: torchrun's agent
 
 
 def test_a_rank_orphaned_by_a_killed_torchrun_saves_and_exits(tiny_params, tiny_shards, tmp_path):

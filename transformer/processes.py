@@ -11,6 +11,14 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+LAUNCHER_PID = "TRANSFORMER_LAUNCHER_PID"  # set by a launcher for its children (tasks/torchrun.py)
+
+
+def started_by() -> int:
+    """The pid of the process that started this one: the launcher's word where it gave it
+    (true however late it is asked), else the parent's now: ask first thing, since a parent
+    that dies is replaced by a reaper."""
+    return int(os.environ.get(LAUNCHER_PID) or os.getppid())
 
 
 def die_with_parent(parent: int) -> None:

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
+from transformer import processes
 from transformer.cli import USER_ERRORS, ArgumentParser
 from transformer.config import Params, ParamsError, load_params
 from transformer.console import setup_logging
@@ -52,7 +52,7 @@ log = logging.getLogger("transformer.train")  # not "__main__" under -m
 def main(argv: list[str] | None = None, logger: MetricsLogger | None = None) -> int:
     """Train as the command line says; returns the exit code. Rank 0 logs metrics to the
     console and to `logger` (closed on return); other ranks log nothing."""
-    parent = os.getppid()  # before the rendezvous, which may outlast a killed torchrun
+    parent = processes.started_by()  # before the rendezvous, which may outlast torchrun
     try:
         args = parse_args(argv)
     except SystemExit as exit_:  # argparse's usage errors
