@@ -108,11 +108,13 @@ def test_every_part_decodes_into_one_cache_memory(cleaned, teachers, tmp_path, m
     distilled 13 of Multi30k's 15 parts peaked at 18.9 GB. The stage keeps one for all."""
     made = count_arenas(monkeypatch, distill_module, translate_module)
     models, sp, _ = load_ensemble([str(t) for t in teachers], "cpu")
-    read = functools.partial(distill_module._read_rows, cleaned / "train.parquet", "src")
+    source = cleaned / "train.parquet"
+    read, total = functools.partial(distill_module._read_rows, source, "src"), 7
+    assert pq.read_metadata(source).num_rows == total
     hyps = distill_module._translate_parts(
-        models, sp, read, 7, distill_cfg(), tmp_path, ["cpu"], []
+        models, sp, read, total, distill_cfg(), tmp_path, ["cpu"], []
     )
-    assert len(list(tmp_path.glob("*.parquet"))) == 3 and len(hyps) == 7
+    assert len(list(tmp_path.glob("*.parquet"))) == 3 and len(hyps) == total
     assert len(made) == 1
 
 
@@ -127,14 +129,19 @@ def test_valid_and_test_decode_into_one_cache_memory(cleaned, teachers, tmp_path
 
 
 def test_a_share_is_read_through_the_file_range_by_range(tmp_path):
-    """A process reads its parts' rows only, batch by batch (here a row group of 3 rows
-    a batch): ranges across batches, in the order asked, the last one cut by the end."""
+    """A process reads its parts' rows only, a range at a time as it asks (here batches of
+    a row group of 3 rows): ranges across batches, an empty one; none asked, no read; a
+    range past the end of the file is one line naming it."""
     path = tmp_path / "train.parquet"
     lines = [f"line {i}" for i in range(10)]
     pq.write_table(pa.table({"src": lines}), path, row_group_size=3)
-    wanted = [slice(2, 5), slice(8, 10), slice(0, 1), slice(5, 5)]
-    got = distill_module._read_rows(path, "src", wanted)
-    assert got == [lines[2:5], lines[8:10], lines[0:1], []]
+    read = functools.partial(distill_module._read_rows, path, "src")
+    got = read([slice(0, 1), slice(2, 5), slice(5, 5), slice(8, 10)])
+    assert next(got) == lines[0:1]  # one range read: the rest of the file waits
+    assert list(got) == [lines[2:5], [], lines[8:10]]
+    assert list(read([])) == []
+    with pytest.raises(DataError, match=r"train.parquet: 10 rows, where rows up to 12 were"):
+        list(read([slice(8, 12)]))
 
 
 def test_a_stopped_distillation_resumes_at_its_first_missing_part(

@@ -818,10 +818,13 @@ def test_a_rank_whose_launcher_dies_during_the_rendezvous_ends(
 
 
 def test_tasks_torchrun_tells_its_ranks_its_pid(tmp_path):
+    """...and the rank takes it out of its environment: a process the rank started that
+    read it would find its own parent elsewhere and end itself."""
     script = tmp_path / "rank.py"
     script.write_text(
-        "import os, sys; from transformer.processes import LAUNCHER_PID\n"
-        "open(sys.argv[1], 'w').write(f'{os.environ[LAUNCHER_PID]} {os.getppid()}')\n"
+        "import os, sys; from transformer.processes import LAUNCHER_PID, started_by\n"
+        "said, asked, out = os.environ[LAUNCHER_PID], started_by(), open(sys.argv[1], 'w')\n"
+        "print(said, os.getppid(), asked, LAUNCHER_PID in os.environ, file=out)\n"
     )
     cmd = [sys.executable, "-m", "tasks.torchrun", "--nnodes", "1", "--nproc_per_node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--local-addr",
@@ -829,8 +832,9 @@ def test_tasks_torchrun_tells_its_ranks_its_pid(tmp_path):
     env = {**ENV, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    said, parent = (tmp_path / "said").read_text().split()
-    assert said == parent  # the rank's parent: torchrun's agent
+    said, parent, asked, left = (tmp_path / "said").read_text().split()
+    assert said == parent == asked  # the rank's parent: torchrun's agent
+    assert left == "False"  # not passed on to what the rank starts
 
 
 def test_a_rank_orphaned_by_a_killed_torchrun_saves_and_exits(tiny_params, tiny_shards, tmp_path):

@@ -16,9 +16,11 @@ LAUNCHER_PID = "TRANSFORMER_LAUNCHER_PID"  # set by a launcher for its children 
 
 def started_by() -> int:
     """The pid of the process that started this one: the launcher's word where it gave it
-    (true however late it is asked), else the parent's now: ask first thing, since a parent
-    that dies is replaced by a reaper."""
-    return int(os.environ.get(LAUNCHER_PID) or os.getppid())
+    (true however late it is asked), else the parent's now: ask first thing, since a dead
+    parent is replaced by a reaper. The word is taken out of the environment, so that what
+    this process starts in turn does not take it for its own."""
+    said = os.environ.pop(LAUNCHER_PID, "")
+    return int(said) if said.isdigit() else os.getppid()
 
 
 def die_with_parent(parent: int) -> None:

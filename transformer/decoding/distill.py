@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import shutil
 from collections.abc import Iterator
@@ -89,18 +90,29 @@ def _check_direction(teacher: Path, theirs: DataConfig, ours: DataConfig, replac
         )
 
 
-def _read_rows(path: Path, column: str, wanted: list[slice]) -> list[list[str]]:
-    """The lines of each range of rows in `wanted`, read through the file a batch at a
-    time: a process holds its share of the column, never all of it."""
-    lines: list[list[str]] = [[] for _ in wanted]
-    at = 0
-    for batch in pq.ParquetFile(path).iter_batches(columns=[column]):
-        for got, rows in zip(lines, wanted, strict=True):
-            start, stop = max(rows.start, at), min(rows.stop, at + batch.num_rows)
-            if start < stop:
-                got += batch.column(0).slice(start - at, stop - start).to_pylist()
-        at += batch.num_rows
-    return lines
+def _read_rows(path: Path, column: str, wanted: list[slice]) -> Iterator[list[str]]:
+    """The lines of each range of rows in `wanted` (ascending), one range at a time, read
+    through the file a batch at a time as they are asked for: a process holds the part it
+    translates, never the column."""
+    if any(a.stop > b.start for a, b in itertools.pairwise(wanted)):
+        raise ValueError(f"row ranges out of order: {wanted}")
+    ranges, got, at = iter(wanted), [], 0
+    rows = next(ranges, None)
+    batches = pq.ParquetFile(path).iter_batches(columns=[column]) if rows else iter(())
+    for batch in batches:
+        end = at + batch.num_rows
+        while rows is not None and rows.start < end:
+            start, stop = max(rows.start, at), min(rows.stop, end)
+            got += batch.column(0).slice(start - at, stop - start).to_pylist()
+            if rows.stop > end:  # goes on in the next batch
+                break
+            yield got
+            got, rows = [], next(ranges, None)
+        if rows is None:
+            return
+        at = end
+    if rows is not None:
+        raise DataError(f"{path}: {at:,} rows, where rows up to {rows.stop:,} were to be read")
 
 
 def _translate_parts(

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
@@ -31,7 +31,7 @@ from transformer.nn.kv_cache import Arena
 from transformer.processes import die_with_parent
 
 Share = tuple[str, dict[Path, slice]]  # a device, and the parts it translates: their rows
-Read = Callable[[list[slice]], list[list[str]]]  # the lines of each range of rows
+Read = Callable[[list[slice]], Iterable[list[str]]]  # the lines of each range of rows, in turn
 Write = Callable[[Path, list[str]], None]  # writes a part's translations whole
 
 POLL_S = 1.0  # how often the stage, its own share done, looks at its helpers

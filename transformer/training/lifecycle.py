@@ -42,9 +42,9 @@ def die_with_parent(asked: bool, parent: int) -> None:
     the pipeline around it) would leave the ranks training on, orphaned, beside a rerun.
     Linux can send a SIGTERM when the parent dies: the rank then saves and exits. Not for
     a plain command (`nohup python -m transformer.train ...` outlives its shell) unless
-    `asked`, as the pipeline does. `parent`: the parent's pid as the process started (pid
-    1 may be torchrun itself, a container's first process); a parent gone since, during
-    the rendezvous, is a SIGTERM at once."""
+    `asked`, as the pipeline does. `parent`: processes.started_by(), the launcher's pid
+    or the parent's as the process started (pid 1 may be torchrun itself, a container's
+    first process); a parent gone since, during the rendezvous, is a SIGTERM at once."""
     if asked or "TORCHELASTIC_RUN_ID" in os.environ:
         processes.die_with_parent(parent)
 
