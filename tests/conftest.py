@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import textwrap
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -259,6 +260,16 @@ def alive(pid: int) -> bool:
         return False
 
 
+def ends_within(pid: int, seconds: float) -> bool:
+    """Whether process `pid` (not necessarily a child) ends within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def count_arenas(monkeypatch, *modules) -> list:
     """The cache Arenas that code looking the name up in `modules` makes from here on."""
     from transformer.nn.kv_cache import Arena
@@ -302,8 +313,6 @@ def run_dir(work: Path) -> Path:
 
 def wait_for(ready, seconds: float, proc, what: str) -> None:
     """Poll `ready()` until true, failing if the flow `proc` ends first or time runs out."""
-    import time
-
     deadline = time.monotonic() + seconds
     while not ready():
         assert proc.poll() is None, f"the flow ended before {what}: {proc.stdout.read()[-3000:]}"

@@ -17,14 +17,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import alive, count_arenas, wait_for
+from conftest import count_arenas, ends_within, wait_for
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -272,10 +271,7 @@ def test_a_helper_whose_stage_is_killed_outright_ends_too(teachers, tmp_path):
     helper = int(pid_file.read_text())
     stage.kill()
     stage.wait()
-    deadline = time.monotonic() + 30
-    while alive(helper):
-        assert time.monotonic() < deadline, "the helper outlived its stage by 30 s"
-        time.sleep(0.2)
+    assert ends_within(helper, 30), "the helper outlived its stage by 30 s"
 
 
 def test_a_stop_in_the_stage_ends_its_helpers(cleaned, teachers, tmp_path, monkeypatch):
