@@ -64,9 +64,10 @@ def distill_corpus(
     _check_direction(teachers[0], teacher_params.data, data, cfg.replace)
     side = "src" if cfg.replace == "target" else "tgt"  # what the teachers translate
     source = cleaned / "train.parquet"
-    read, total = functools.partial(_read_rows, source, side), pq.read_metadata(source).num_rows
+    read = functools.partial(_read_rows, source, side)
+    total = pq.read_metadata(source).num_rows
     made = _translate_parts(models, sp, read, total, cfg, out / PARTS, devices, paths)
-    train = pq.read_table(cleaned / "train.parquet")
+    train = pq.read_table(source)
     report = {"teachers": paths, "replace": cfg.replace}
     report |= _write_train(train, made, cfg, out / "train.parquet")
     for role in ROLES[1:]:  # valid, test: the cleaned splits, scored against their references
@@ -98,7 +99,7 @@ def _read_rows(path: Path, column: str, wanted: list[slice]) -> Iterator[list[st
         raise ValueError(f"row ranges out of order: {wanted}")
     ranges, got, at = iter(wanted), [], 0
     rows = next(ranges, None)
-    batches = pq.ParquetFile(path).iter_batches(columns=[column]) if rows else iter(())
+    batches = pq.ParquetFile(path).iter_batches(columns=[column]) if rows is not None else ()
     for batch in batches:
         end = at + batch.num_rows
         while rows is not None and rows.start < end:
