@@ -588,6 +588,34 @@ def test_a_build_this_cpu_cannot_run_is_refused_in_one_line(monkeypatch):
     assert cpu_decoding.build() == before
 
 
+@pytest.mark.parametrize(
+    "torch_names", [True, False], ids=["torch's names", "/proc/cpuinfo's names"]
+)
+def test_both_spellings_of_an_avx512_cpu_run_the_avx512_build(monkeypatch, torch_names):
+    """torch's cpuinfo spells AVX-512F "avx512_f" and FMA "fma3", Linux "avx512f" and "fma":
+    either way the CPU runs every build, and its line names what it has."""
+    if torch_names:
+        caps = {"avx512_f": True, "avx512_bf16": True, "amx_bf16": True, "avx2": True}
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**caps, "fma3": True})
+    else:
+        monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+        flags = "flags\t: sse2 avx2 fma avx512f avx512_bf16 amx_bf16"
+        monkeypatch.setattr(cpu_decoding, "_cpuinfo", lambda: ["cpu family\t: 6", flags])
+    assert cpu_decoding.runnable() == ["avx512", "avx2", "portable", "torch"]
+    assert "; avx512f avx512_bf16 amx_bf16 avx2 fma;" in cpu_decoding.describe_cpu()
+
+
+@pytest.mark.skipif(
+    not (cpu_decoding._cpuinfo() and hasattr(torch.cpu, "get_capabilities")),
+    reason="no /proc/cpuinfo or no torch cpuinfo here to compare",
+)
+def test_torch_and_linux_agree_on_what_this_cpu_runs(monkeypatch):
+    """On this machine, the builds torch's cpuinfo allows are those /proc/cpuinfo allows."""
+    by_torch = cpu_decoding.runnable()
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    assert cpu_decoding.runnable() == by_torch
+
+
 def test_the_decode_benchmark_names_and_forces_the_build(monkeypatch, capsys):
     """benchmarks/decode.py reports the CPU, its instruction sets and the build that ran;
     --kernels runs another, and refuses one this CPU cannot run in one line, exit code 2."""

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from transformer.nn import cpu_decoding
@@ -113,12 +112,11 @@ class Decoder:
 
 
 def _log_softmax_(logits: Tensor) -> Tensor:
-    """log_softmax over the vocabulary, in place where the logits are one block: a step's
-    (R, V) logits are the largest tensor it makes, and on a CPU writing a new one costs
-    more than the pass itself."""
-    if not logits.is_contiguous():
-        return F.log_softmax(logits, dim=-1)
-    return log_softmax_(logits)
+    """log_softmax over the vocabulary, in place: a step's (R, V) logits are the largest
+    tensor it makes, and on a CPU writing a new one costs more than the pass itself. The
+    uncached search's last position (a strided view) is copied first, so that both searches
+    round alike: cpu_decoding's passes and torch's differ in the last bits on some CPUs."""
+    return log_softmax_(logits.contiguous())
 
 
 def _fp32(logits: Tensor) -> Tensor:

@@ -79,14 +79,16 @@ _tried = False
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's instruction-set extensions, lowercase (torch's cpuinfo; /proc/cpuinfo on a
-    torch without it), "fma" for FMA3."""
+    """The CPU's instruction-set extensions (torch's cpuinfo; /proc/cpuinfo on a torch
+    without it), lowercase and without underscores, where the two spellings meet: torch's
+    "avx512_f" and Linux's "avx512f" are "avx512f"; "fma" for FMA3."""
     capabilities = getattr(torch.cpu, "get_capabilities", None)
     if capabilities is not None:
-        flags = {name for name, on in capabilities().items() if on is True}
+        flags = [name for name, on in capabilities().items() if on is True]
     else:
         lines = [line for line in _cpuinfo() if line.startswith("flags")]
-        flags = set(lines[0].split(":")[1].split()) if lines else set()
+        flags = lines[0].split(":")[1].split() if lines else []
+    flags = {name.lower().replace("_", "") for name in flags}
     return flags | ({"fma"} if "fma3" in flags else set())
 
 
@@ -350,8 +352,8 @@ def describe_cpu() -> str:
     if "cpu family" in info:
         name += f", family {info['cpu family']} model {info.get('model', '?')}"
     flags, wanted = cpu_flags(), ("avx512f", "avx512_bf16", "amx_bf16", "avx2", "fma")
-    has = " ".join(f for f in wanted if f in flags) or "none of them"
-    lacks = " ".join(f for f in wanted if f not in flags)
+    has = " ".join(f for f in wanted if f.replace("_", "") in flags) or "none of them"
+    lacks = " ".join(f for f in wanted if f.replace("_", "") not in flags)
     sets = f"; {has}" + (f", no {lacks}" if lacks else "") if _X86 else ""
     capability = torch.backends.cpu.get_cpu_capability()
     return f"CPU: {name} ({platform.machine()}){sets}; torch's CPU kernels: {capability}"
