@@ -88,8 +88,13 @@ def cpu_flags() -> set[str]:
     else:
         lines = [line for line in _cpuinfo() if line.startswith("flags")]
         flags = lines[0].split(":")[1].split() if lines else []
-    flags = {name.lower().replace("_", "") for name in flags}
+    flags = {_flag(name) for name in flags}
     return flags | ({"fma"} if "fma3" in flags else set())
+
+
+def _flag(name: str) -> str:
+    """An instruction set's name as cpu_flags gives it."""
+    return name.lower().replace("_", "")
 
 
 def runnable() -> list[str]:
@@ -352,8 +357,8 @@ def describe_cpu() -> str:
     if "cpu family" in info:
         name += f", family {info['cpu family']} model {info.get('model', '?')}"
     flags, wanted = cpu_flags(), ("avx512f", "avx512_bf16", "amx_bf16", "avx2", "fma")
-    has = " ".join(f for f in wanted if f.replace("_", "") in flags) or "none of them"
-    lacks = " ".join(f for f in wanted if f.replace("_", "") not in flags)
+    has = " ".join(f for f in wanted if _flag(f) in flags) or "none of them"
+    lacks = " ".join(f for f in wanted if _flag(f) not in flags)
     sets = f"; {has}" + (f", no {lacks}" if lacks else "") if _X86 else ""
     capability = torch.backends.cpu.get_cpu_capability()
     return f"CPU: {name} ({platform.machine()}){sets}; torch's CPU kernels: {capability}"
